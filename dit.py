@@ -12,17 +12,36 @@ inputs this file gives the official numbers (see test_dit.py and the fixtures it
 Run `python dit.py --help`, or from a notebook `import dit; dit.main(["--size", "S", ...])`.
 """
 
+import argparse
 import dataclasses
+import gzip
+import hashlib
+import itertools
 import json
 import math
 import os
+import pickle
+import struct
+import sys
+import tarfile
+import time
+import urllib.request
+import warnings
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from PIL import Image
+from tqdm import tqdm
 
-from fid import load_torch
+from fid import load_torch, safe_unpickle
 
 #################################################################################
 #                                 Configuration                                 #
@@ -398,3 +417,1480 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
         raise ValueError(f"{path}: pos_embed differs from the 2-D sin-cos table of a {cfg.grid} grid")
     return model
+
+
+#################################################################################
+#                            Objectives and Samplers                            #
+#################################################################################
+# Two ways to train and sample the same network. GaussianDiffusion is DDPM exactly as the official DiT
+# trains and samples it (facebookresearch/DiT, diffusion/gaussian_diffusion.py and respace.py, themselves
+# taken from OpenAI's improved-diffusion / guided-diffusion). RectifiedFlow is the straight-line flow of
+# Liu et al. 2022 with the logit-normal timesteps of Esser et al. 2024 (SD3), in the spirit of minRF.
+#
+# Both talk to the network through one interface: model_fn(x, t) -> out, with x (B, H, W, C) and t (B,)
+# float32 timesteps on DiT's 0..1000 scale. Class labels and classifier-free guidance are closed over by
+# the caller, e.g. model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
+
+
+
+def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
+    """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol & Dhariwal
+    2021 section 4). "ddimN": the evenly strided steps 0, k, 2k, ... of the DDIM paper, N of them.
+    "N" or "N1,N2,...": split the T steps into equal sections and take N_i roughly evenly spaced steps from
+    section i, both of its ends included. E.g. space_timesteps(1000, "250") -> [0, 4, 8, ..., 999]."""
+    if not isinstance(section_counts, str):
+        raise TypeError(f"timestep respacing must be a string such as '250' or 'ddim25', got {section_counts!r}")
+    if section_counts.startswith("ddim"):
+        try:
+            desired = int(section_counts[len("ddim"):])
+        except ValueError:
+            raise ValueError(f"timestep respacing {section_counts!r}: expected 'ddim' followed by a step "
+                             f"count, e.g. 'ddim25'") from None
+        for stride in range(1, num_timesteps):
+            if len(range(0, num_timesteps, stride)) == desired:
+                return list(range(0, num_timesteps, stride))
+        raise ValueError(f"timestep respacing {section_counts!r}: no integer stride gives exactly {desired} "
+                         f"of {num_timesteps} steps; pick another count or use plain '{desired}' spacing")
+    try:
+        counts = [int(c) for c in section_counts.split(",")]
+    except ValueError:
+        raise ValueError(f"timestep respacing {section_counts!r}: expected a step count ('250'), counts per "
+                         f"section ('10,15,20') or 'ddimN'") from None
+    size_per, extra = divmod(num_timesteps, len(counts))
+    start, steps = 0, []
+    for i, count in enumerate(counts):
+        size = size_per + (1 if i < extra else 0)  # the first `extra` sections take one more step
+        if not 1 <= count <= size:
+            raise ValueError(f"timestep respacing {section_counts!r}: section {i} has {size} steps, cannot "
+                             f"take {count} of them (need 1 <= count <= {size})")
+        stride = (size - 1) / (count - 1) if count > 1 else 1
+        # accumulate the float stride and round (to even, Python's round) exactly as the official code does,
+        # so that the same string selects the same steps
+        cur = 0.0
+        for _ in range(count):
+            steps.append(start + round(cur))
+            cur += stride
+        start += size
+    return sorted(set(steps))
+
+
+def _extract(table, t, ndim):
+    """table[t] for a batch of step indices t (B,), cast to float32 and shaped (B, 1, ..., 1) to broadcast
+    against (B, H, W, C). The table stays float64 until the gather, as in the official _extract_into_tensor."""
+    values = jnp.asarray(table, dtype=jnp.float32)[t]
+    return values.reshape(values.shape + (1,) * (ndim - 1))
+
+
+def _mean_flat(x):
+    """Mean over every axis but the batch axis: (B, ...) -> (B,)."""
+    return jnp.mean(x, axis=tuple(range(1, x.ndim)))
+
+
+def _normal_kl(mean1, logvar1, mean2, logvar2):
+    """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)), elementwise, in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + jnp.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * jnp.exp(-logvar2))
+
+
+def _approx_standard_normal_cdf(x):
+    """The tanh approximation of the standard normal CDF that the official code uses (keeps the VLB
+    numbers identical to theirs rather than to the exact erf)."""
+    return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _discretized_gaussian_log_likelihood(x, means, log_scales):
+    """log P(x) per element under N(means, e^(2 log_scales)) integrated over x's bin of width 2/255, with the
+    outermost bins open-ended (Ho et al. 2020 eq. 13). x is data assumed in [-1, 1]."""
+    centered = x - means
+    inv_std = jnp.exp(-log_scales)
+    cdf_plus = _approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_min = _approx_standard_normal_cdf(inv_std * (centered - 1.0 / 255.0))
+    log_cdf_plus = jnp.log(jnp.maximum(cdf_plus, 1e-12))
+    log_one_minus_cdf_min = jnp.log(jnp.maximum(1.0 - cdf_min, 1e-12))
+    log_cdf_delta = jnp.log(jnp.maximum(cdf_plus - cdf_min, 1e-12))
+    return jnp.where(x < -0.999, log_cdf_plus, jnp.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
+
+
+class GaussianDiffusion:
+    """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT trains it:
+    linear betas, epsilon prediction, loss = MSE(eps) + VLB, where the VLB term only trains the variance.
+    Equals the official create_diffusion(timestep_respacing) with its defaults (learn_sigma=True, MSE loss).
+
+    timestep_respacing: "" keeps all num_timesteps steps (training); "250" or "ddim25" (see
+    space_timesteps) builds the shorter chain that samplers walk: the kept steps keep their alpha-bar, so
+    betas are recomputed between them. Step indices t below index this (possibly respaced) chain; the
+    network always sees the original timestep, timestep_map[t], which is what it was trained on.
+    All schedule constants are float64 numpy arrays, as in the official code."""
+
+    def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
+        if not (isinstance(num_timesteps, int) and num_timesteps > 1):
+            raise ValueError(f"num_timesteps must be an int > 1, got {num_timesteps!r}")
+        # Linear schedule of Ho et al.; scaled so that any T has roughly the same total noise as T = 1000
+        scale = 1000 / num_timesteps
+        base_betas = np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
+        base_alphas_cumprod = np.cumprod(1.0 - base_betas)
+
+        self.timestep_map = np.array(space_timesteps(num_timesteps, timestep_respacing or str(num_timesteps)))
+        kept = base_alphas_cumprod[self.timestep_map]
+        # The official code respaces even when keeping every step, which changes betas in the last bits;
+        # do the same so that the constants match theirs exactly.
+        self.betas = 1.0 - kept / np.append(1.0, kept[:-1])
+        self.num_timesteps = len(self.betas)
+
+        alphas = 1.0 - self.betas
+        self.alphas_cumprod = np.cumprod(alphas)
+        self.alphas_cumprod_prev = np.append(1.0, self.alphas_cumprod[:-1])
+        self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
+        self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
+        self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
+        self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
+        # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)   (Ho et al. eq. 6-7)
+        posterior_variance = self.betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
+        # the variance is 0 at t = 0; its log is clipped to the next value so that it stays finite
+        self.posterior_log_variance_clipped = np.log(np.append(posterior_variance[1], posterior_variance[1:]))
+        self.posterior_mean_coef1 = self.betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
+        self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
+
+    def _model_time(self, t):
+        """Step indices (B,) -> the original timesteps the network was trained on, float32 (B,)."""
+        return jnp.asarray(self.timestep_map, dtype=jnp.float32)[t]
+
+    def _q_posterior(self, x0, x_t, t):
+        """Mean and clipped log-variance of q(x_{t-1} | x_t, x_0)."""
+        mean = (_extract(self.posterior_mean_coef1, t, x_t.ndim) * x0
+                + _extract(self.posterior_mean_coef2, t, x_t.ndim) * x_t)
+        return mean, _extract(self.posterior_log_variance_clipped, t, x_t.ndim)
+
+    def p_mean_variance(self, model_out, x, t_index):
+        """The model's reverse step p(x_{t-1} | x_t) from its raw output (official p_mean_variance, no
+        clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the log-variance
+        between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal eq. 15).
+        Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
+        C = x.shape[-1]
+        if model_out.shape != x.shape[:-1] + (2 * C,):
+            raise ValueError(f"GaussianDiffusion needs the model to predict eps and variance, shape "
+                             f"{x.shape[:-1] + (2 * C,)} for x of shape {x.shape}, got {model_out.shape}; "
+                             f"build the DiT with learn_sigma=True (or use RectifiedFlow for learn_sigma=False)")
+        eps, var_values = model_out[..., :C], model_out[..., C:]
+        min_log = _extract(self.posterior_log_variance_clipped, t_index, x.ndim)
+        max_log = _extract(np.log(self.betas), t_index, x.ndim)
+        frac = (var_values + 1) / 2
+        log_variance = frac * max_log + (1 - frac) * min_log
+        # invert x_t = sqrt(abar) x_0 + sqrt(1 - abar) eps for x_0
+        pred_xstart = (_extract(self.sqrt_recip_alphas_cumprod, t_index, x.ndim) * x
+                       - _extract(self.sqrt_recipm1_alphas_cumprod, t_index, x.ndim) * eps)
+        mean, _ = self._q_posterior(pred_xstart, x, t_index)
+        return {"mean": mean, "log_variance": log_variance, "pred_xstart": pred_xstart}
+
+    def losses_at(self, model_fn, x0, t, noise):
+        """Per-sample losses at given step indices t (B,) int and noise like x0 (B, H, W, C)
+        (official training_losses). Returns dict(loss, mse, vb), each (B,); vb is in bits per dimension."""
+        x_t = (_extract(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
+               + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.ndim) * noise)
+        model_out = model_fn(x_t, self._model_time(t))  # (B, H, W, 2C)
+        eps = model_out[..., :x0.shape[-1]]
+        # The VLB term trains only the variance: the mean it sees is frozen, so the eps head learns from the
+        # MSE alone (the official `frozen_out`).
+        frozen = jnp.concatenate([jax.lax.stop_gradient(eps), model_out[..., x0.shape[-1]:]], axis=-1)
+        p = self.p_mean_variance(frozen, x_t, t)
+        true_mean, true_log_variance = self._q_posterior(x0, x_t, t)
+        kl = _mean_flat(_normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / np.log(2.0)
+        decoder_nll = -_mean_flat(_discretized_gaussian_log_likelihood(
+            x0, p["mean"], 0.5 * p["log_variance"])) / np.log(2.0)
+        # the first step (t = 0) has no posterior to match: its term is the likelihood of the data itself
+        vb = jnp.where(t == 0, decoder_nll, kl)
+        mse = _mean_flat((noise - eps) ** 2)
+        return {"loss": mse + vb, "mse": mse, "vb": vb}
+
+    def training_losses(self, model_fn, x0, key):
+        """losses_at with t uniform over the chain's steps and standard normal noise, drawn from key."""
+        key_t, key_noise = jax.random.split(key)
+        t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
+        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
+        return self.losses_at(model_fn, x0, t, noise)
+
+    def sample(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
+        """Walk this instance's chain from t = T-1 down to 0, starting at noise (B, H, W, C).
+        method "ddpm": ancestral sampling, x_{t-1} ~ p(x_{t-1} | x_t) with fresh noise from key each step
+        (official p_sample_loop). method "ddim": DDIM with eta = 0 (Song et al. 2021 eq. 12), deterministic,
+        key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as DiT samples latents.
+        For a user's step count use GaussianDiffusion(str(steps)) or GaussianDiffusion(f"ddim{steps}").
+        Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
+        if method not in ("ddpm", "ddim"):
+            raise ValueError(f"unknown DDPM sampling method {method!r}; use 'ddpm' or 'ddim'")
+        if method == "ddpm" and key is None:
+            raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a PRNG key")
+        steps = jnp.arange(self.num_timesteps - 1, -1, -1)
+        step_keys = jax.random.split(key, self.num_timesteps) if method == "ddpm" else None
+
+        def step(x, inputs):
+            i, step_key = inputs
+            t = jnp.full((x.shape[0],), i)
+            p = self.p_mean_variance(model_fn(x, self._model_time(t)), x, t)
+            if method == "ddpm":
+                z = jax.random.normal(step_key, x.shape, x.dtype)
+                keep_noise = (t != 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))  # none at the last step
+                x = p["mean"] + keep_noise * jnp.exp(0.5 * p["log_variance"]) * z
+            else:
+                # re-derive eps from pred_xstart as the official code does (same value, same rounding)
+                eps = ((_extract(self.sqrt_recip_alphas_cumprod, t, x.ndim) * x - p["pred_xstart"])
+                       / _extract(self.sqrt_recipm1_alphas_cumprod, t, x.ndim))
+                alpha_bar_prev = _extract(self.alphas_cumprod_prev, t, x.ndim)
+                x = p["pred_xstart"] * jnp.sqrt(alpha_bar_prev) + jnp.sqrt(1 - alpha_bar_prev) * eps
+            return x, (x if return_trajectory else None)
+
+        x, trajectory = jax.lax.scan(step, noise, (steps, step_keys))
+        if return_trajectory:
+            return x, jnp.concatenate([noise[None], trajectory])
+        return x
+
+
+class RectifiedFlow:
+    """Rectified flow / flow matching (Liu et al. 2022, Lipman et al. 2023): x_t = (1 - t) x_0 + t eps
+    walks a straight line from data (t = 0) to noise (t = 1), and the network learns its velocity
+    dx_t/dt = eps - x_0 by regression. Training times t come from timestep_sampling: "logit_normal",
+    t = sigmoid(loc + scale * n) with n ~ N(0, 1), which favours the middle of the path (Esser et al. 2024,
+    SD3 section 3.1; loc = 0, scale = 1 is their best), or "uniform" on [0, 1).
+    The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the velocity
+    (B, H, W, C): build the DiT with learn_sigma=False."""
+
+    def __init__(self, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
+        if timestep_sampling not in ("logit_normal", "uniform"):
+            raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' or 'uniform'")
+        if not scale > 0:
+            raise ValueError(f"the logit-normal scale must be positive, got {scale!r}")
+        self.timestep_sampling, self.loc, self.scale = timestep_sampling, float(loc), float(scale)
+
+    def sample_timesteps(self, key, n):
+        """n training times in [0, 1), float32 (n,)."""
+        if self.timestep_sampling == "logit_normal":
+            return jax.nn.sigmoid(self.loc + self.scale * jax.random.normal(key, (n,)))
+        return jax.random.uniform(key, (n,))
+
+    def _velocity(self, model_fn, x, t):
+        """The network's velocity at x (B, H, W, C) and times t (B,) in [0, 1]."""
+        v = model_fn(x, 1000.0 * t)
+        if v.shape != x.shape:
+            raise ValueError(f"RectifiedFlow needs the model to predict a velocity shaped like x {x.shape}, got "
+                             f"{v.shape}; build the DiT with learn_sigma=False (learned variance is DDPM's)")
+        return v
+
+    def training_losses(self, model_fn, x0, key):
+        """Per-sample squared error of the velocity, mean over non-batch axes (minRF). Returns dict(loss (B,))."""
+        key_t, key_noise = jax.random.split(key)
+        t = self.sample_timesteps(key_t, x0.shape[0])
+        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
+        t_b = t.reshape((-1,) + (1,) * (x0.ndim - 1))  # (B, 1, 1, 1)
+        x_t = (1 - t_b) * x0 + t_b * noise
+        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2)}
+
+    def sample(self, model_fn, noise, steps: int, method="euler", return_trajectory=False):
+        """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal steps.
+        "euler": one network call per step. "heun": Heun's second-order method (Karras et al. 2022, alg. 1),
+        two calls per step, including the last one, since the velocity stays finite at t = 0.
+        Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with noise) when asked."""
+        if method not in ("euler", "heun"):
+            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use 'euler' or 'heun'")
+        if not (isinstance(steps, int) and steps >= 1):
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        times = jnp.linspace(1.0, 0.0, steps + 1)
+
+        def step(x, t_pair):
+            t, t_next = t_pair
+            dt = t_next - t  # negative: we integrate backwards in time
+            v = self._velocity(model_fn, x, jnp.full((x.shape[0],), t))
+            x_next = x + dt * v
+            if method == "heun":
+                v_next = self._velocity(model_fn, x_next, jnp.full((x.shape[0],), t_next))
+                x_next = x + dt * 0.5 * (v + v_next)
+            return x_next, (x_next if return_trajectory else None)
+
+        x, trajectory = jax.lax.scan(step, noise, (times[:-1], times[1:]))
+        if return_trajectory:
+            return x, jnp.concatenate([noise[None], trajectory])
+        return x
+
+
+# --- temporary: sections written beside this file, pasted in at the merge -----------------------------
+from vae_section import load_vae, read_safetensors, center_crop_arr  # noqa: E402
+
+#################################################################################
+#                                     Data                                      #
+#################################################################################
+
+
+
+
+
+@dataclasses.dataclass
+class Dataset:
+    """A whole training set held in (or memory-mapped from) host memory, in one of two forms:
+    pixels, uint8 (N, H, W, C), or VAE latents as prepare_imagenet100.py writes them, float16 (N, 2, h, w, 2*C):
+    axis 1 is [image, its horizontal flip], the last axis [posterior mean (C), posterior std (C)] in the raw
+    latent space; the Loader draws z = (mean + std * eps) * latent_scale afresh each time, as DiT's train.py does."""
+    name: str
+    x: np.ndarray
+    labels: np.ndarray | None  # int (N,); None for unconditional data
+    num_classes: int  # 0 when unconditional
+    class_names: list[str]
+    latent_scale: float | None = None  # the VAE's scaling factor for latent data, None for pixels
+    flip: bool = True  # random horizontal flips in training; off for data that is not mirror-symmetric (digits)
+
+    def __post_init__(self):
+        if self.labels is not None and len(self.labels) != len(self.x):
+            raise ValueError(f"dataset {self.name!r} has {len(self.x)} samples but {len(self.labels)} labels")
+        if len(self.class_names) != self.num_classes:
+            raise ValueError(f"dataset {self.name!r} has {self.num_classes} classes but {len(self.class_names)} names")
+
+    def __len__(self):
+        return len(self.x)
+
+    @property
+    def is_latent(self) -> bool:
+        return self.latent_scale is not None
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(H, W, C) of one model input: the image itself, or one sampled latent (half the stored channels)."""
+        if self.is_latent:
+            _, _, h, w, c2 = self.x.shape
+            return (h, w, c2 // 2)
+        return tuple(self.x.shape[1:])
+
+
+def default_data_dir(name: str) -> str:
+    """Where a dataset lives (and is downloaded to) unless data_dir says otherwise."""
+    cache = os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
+    return os.path.join(cache, "datasets", name)
+
+
+def download(url: str, path: str, md5: str):
+    """Fetch url into path and check its published MD5. The bytes go to a temporary file that is renamed only once
+    complete and verified, so an interrupted or corrupted download never passes for the real file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp, digest = path + ".part", hashlib.md5()
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    except OSError as e:  # urllib's URLError and socket timeouts are OSErrors too
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise FileNotFoundError(
+            f"could not download {url} ({e}). Without network access, download it elsewhere and put it at "
+            f"{path} (or pass --data-dir with a folder that holds it).") from e
+    if digest.hexdigest() != md5:
+        os.remove(tmp)
+        raise ValueError(f"the download of {url} is corrupted: its MD5 is {digest.hexdigest()}, the published one "
+                         f"is {md5}. Try again, or put a good copy at {path}.")
+    os.replace(tmp, path)
+
+
+def _check_resolution(name: str, native: int, resolution: int | None):
+    if resolution not in (None, native):
+        raise ValueError(f"{name} images are {native}x{native} and train at that size; leave the resolution unset, "
+                         f"or export the images to a folder and use the 'folder' dataset to resize them")
+
+
+#################################################################################
+#                                     MNIST                                     #
+#################################################################################
+
+_MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
+_MNIST_MD5 = {  # published with the mirror (torchvision's datasets/mnist.py lists the same)
+    "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+}
+# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the page)
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of dimensions,
+    one big-endian uint32 per dimension, then the elements in C order."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b":  # the gzip magic, whatever the file is called
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise ValueError(f"{path}: damaged gzip data ({e}); delete it and download it again") from e
+    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path} is not an IDX file: it starts with bytes {raw[:4].hex()}, an IDX file with "
+                         f"00 00, a type code and the number of dimensions. Delete it and download it again.")
+    ndim, header = raw[3], 4 + 4 * raw[3]
+    if len(raw) < header:
+        raise ValueError(f"{path}: the IDX header is cut short; delete the file and download it again")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    expected = header + int(np.prod(shape)) * dtype.itemsize
+    if len(raw) != expected:
+        raise ValueError(f"{path}: its header announces shape {shape} ({expected} bytes) but the file holds "
+                         f"{len(raw)} bytes; it is truncated or damaged. Delete it and download it again.")
+    return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def _find_idx(data_dir: str, stem: str) -> str | None:
+    for name in (stem, stem + ".gz"):
+        if os.path.exists(os.path.join(data_dir, name)):
+            return os.path.join(data_dir, name)
+    return None
+
+
+def _load_mnist(data_dir: str) -> Dataset:
+    """The official MNIST IDX files; the 10,000 test digits stand in for the training set when only they are there."""
+    images = _find_idx(data_dir, "train-images-idx3-ubyte")
+    labels = _find_idx(data_dir, "train-labels-idx1-ubyte")
+    if not (images and labels):
+        test_images = _find_idx(data_dir, "t10k-images-idx3-ubyte")
+        test_labels = _find_idx(data_dir, "t10k-labels-idx1-ubyte")
+        if test_images and test_labels:
+            print(f"note: {data_dir} holds only the MNIST test set; training on its 10,000 digits")
+            images, labels = test_images, test_labels
+        else:
+            for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+                download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name])
+            images = os.path.join(data_dir, "train-images-idx3-ubyte.gz")
+            labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
+    x, y = read_idx(images), read_idx(labels)
+    if x.ndim != 3 or x.dtype != np.uint8:
+        raise ValueError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a labels file?")
+    if y.ndim != 1 or y.dtype != np.uint8 or (y.size and y.max() > 9):
+        raise ValueError(f"{labels} holds {y.dtype} {y.shape}, not uint8 (N,) digit labels 0-9")
+    if len(x) != len(y):
+        raise ValueError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are they a pair?")
+    return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)], flip=False)
+
+
+#################################################################################
+#                                   CIFAR-10                                    #
+#################################################################################
+
+_CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+_CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
+_CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
+# The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these globals.
+# Nothing else may be called while unpickling, so a tampered archive cannot run code.
+_CIFAR_PICKLE_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): np.empty(0).__reduce__()[0],  # numpy's own array rebuilder
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+}
+
+
+def _unpickle_cifar(f, where: str) -> dict:
+    try:
+        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as bytes
+        obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
+    except (pickle.UnpicklingError, EOFError, ValueError) as e:
+        e.add_note(f"while reading {where}")
+        raise
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in obj.items()}
+
+
+def _cifar_pickles(data_dir: str) -> dict[str, dict]:
+    """The five training batches and batches.meta, from the extracted cifar-10-batches-py/ when present, otherwise
+    from cifar-10-python.tar.gz (read in one pass, without extracting), downloaded first if missing."""
+    for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
+        if os.path.exists(os.path.join(folder, "data_batch_1")):
+            found = {}
+            for name in _CIFAR_FILES:
+                path = os.path.join(folder, name)
+                if not os.path.exists(path):
+                    raise FileNotFoundError(f"{folder} lacks {name}; extract cifar-10-python.tar.gz again")
+                with open(path, "rb") as f:
+                    found[name] = _unpickle_cifar(f, path)
+            return found
+    archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
+    if not os.path.exists(archive):
+        download(_CIFAR_URL, archive, _CIFAR_MD5)
+    found = {}
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:  # in archive order: seeking back in a gzip stream would decompress it again
+                name = os.path.basename(member.name)
+                if member.isfile() and name in _CIFAR_FILES:
+                    found[name] = _unpickle_cifar(tar.extractfile(member), f"{archive}:{member.name}")
+    except (tarfile.TarError, EOFError, zlib.error) as e:
+        raise ValueError(f"{archive} is damaged ({e}); delete it and download it again") from e
+    missing = [name for name in _CIFAR_FILES if name not in found]
+    if missing:
+        raise ValueError(f"{archive} lacks {', '.join(missing)}; is it the python version of CIFAR-10 "
+                         f"({_CIFAR_URL})?")
+    return found
+
+
+def _load_cifar10(data_dir: str) -> Dataset:
+    """The 50,000 CIFAR-10 training images from the official python-format release."""
+    found = _cifar_pickles(data_dir)
+    xs, ys = [], []
+    for name in _CIFAR_FILES[:5]:
+        batch = found[name]
+        data, labels = batch.get("data"), np.asarray(batch.get("labels", []))
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+            raise ValueError(f"{name} has no uint8 (n, 3072) 'data' array; is this the python version of CIFAR-10?")
+        if labels.shape != (len(data),) or (labels.size and not 0 <= labels.min() <= labels.max() <= 9):
+            raise ValueError(f"{name} has {len(data)} images but its labels are not {len(data)} classes in 0-9")
+        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))  # rows are channel-major: (n, C, H, W) -> NHWC
+        ys.append(labels)
+    names = [n.decode() if isinstance(n, bytes) else n for n in found["batches.meta"].get("label_names", [])]
+    if len(names) != 10:
+        raise ValueError(f"batches.meta names {len(names)} classes, CIFAR-10 has 10")
+    return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys).astype(np.int64), 10,
+                   names)
+
+
+#################################################################################
+#                                 Image folder                                  #
+#################################################################################
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+
+
+def _is_image(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _decode(path: str, resolution: int | None):
+    """(pixels, None) or (None, reason) for one file, so that a broken image is reported rather than fatal."""
+    try:
+        with Image.open(path) as img:
+            rgb = img.convert("RGB")  # before resizing: a palette image would only resize by nearest neighbour
+    except (OSError, SyntaxError, ValueError) as e:  # unreadable, truncated, or not an image at all
+        return None, f"{path} ({e})"
+    return (center_crop_arr(rgb, resolution) if resolution else np.asarray(rgb)), None
+
+
+def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
+    """Every image under data_dir: one sub-folder per class (labels follow the sorted folder names), or the images
+    directly in data_dir for unconditional training. Centre-cropped as ADM/DiT do when a resolution is given."""
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"image folder {data_dir} does not exist")
+    entries = sorted(e for e in os.listdir(data_dir) if not e.startswith("."))
+    class_names = [e for e in entries if os.path.isdir(os.path.join(data_dir, e))]
+    loose = [os.path.join(data_dir, e) for e in entries if _is_image(os.path.join(data_dir, e))]
+    if class_names:
+        files, labels = [], []
+        for label, name in enumerate(class_names):
+            found = sorted(os.path.join(root, f) for root, _, names in os.walk(os.path.join(data_dir, name))
+                           for f in names if _is_image(os.path.join(root, f)))
+            if not found:
+                warnings.warn(f"class folder {os.path.join(data_dir, name)} holds no images; class {label} "
+                              f"({name!r}) will have no training samples")
+            files += found
+            labels += [label] * len(found)
+        if loose:
+            warnings.warn(f"{len(loose)} images directly in {data_dir} are ignored: with class sub-folders, "
+                          f"every image must be in one of them")
+    else:
+        files, labels = loose, None
+    if not files:
+        raise ValueError(f"{data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}), neither directly nor in "
+                         f"class sub-folders")
+
+    x, kept, broken = None, [], []
+    pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))  # PIL releases the GIL while decoding
+    try:
+        decoded = pool.map(lambda path: _decode(path, resolution), files)
+        for i, (arr, problem) in enumerate(tqdm(decoded, total=len(files), desc=f"decoding {data_dir}")):
+            if problem:
+                broken.append(problem)
+                continue
+            if x is None:
+                if arr.shape[0] != arr.shape[1]:
+                    raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; pass a resolution "
+                                     f"(--resolution) to centre-crop every image to that size")
+                x = np.empty((len(files),) + arr.shape, np.uint8)  # (N, H, W, 3)
+            elif arr.shape != x.shape[1:]:
+                raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but {files[kept[0]]} is "
+                                 f"{x.shape[2]}x{x.shape[1]}; pass a resolution (--resolution) to centre-crop every "
+                                 f"image to one size")
+            x[len(kept)] = arr
+            kept.append(i)
+    finally:  # on an error, do not decode the rest of a large folder first
+        pool.shutdown(cancel_futures=True)
+    if broken:
+        warnings.warn(f"skipped {len(broken)} unreadable image(s): " + "; ".join(broken[:10])
+                      + (f"; and {len(broken) - 10} more" if len(broken) > 10 else ""))
+    if not kept:
+        raise ValueError(f"none of the {len(files)} images in {data_dir} could be read")
+    y = None if labels is None else np.asarray(labels, np.int64)[kept]
+    return Dataset("folder", x[:len(kept)], y, len(class_names), class_names)
+
+
+#################################################################################
+#                                 ImageNet-100                                  #
+#################################################################################
+
+def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
+    """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with --pixels R),
+    memory-mapped so that the whole set never has to fit in host memory."""
+    hint = (f"run `python prepare_imagenet100.py --out {data_dir}` on the Kaggle ImageNet-100 download first "
+            f"(add --pixels 64 for pixel-space training), or pass --data-dir with the folder it wrote")
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"no prepared ImageNet-100 at {data_dir}: {hint}")
+    path = lambda name: os.path.join(data_dir, name)  # noqa: E731
+    missing = [n for n in ("labels.npy", "classes.json", "manifest.json") if not os.path.exists(path(n))]
+    has_latents, has_images = os.path.exists(path("latents.npy")), os.path.exists(path("images.npy"))
+    if not (has_latents or has_images):
+        missing.insert(0, "latents.npy (or images.npy)")
+    if missing:
+        raise FileNotFoundError(f"{data_dir} lacks {', '.join(missing)}: {hint}")
+    if has_latents and has_images:
+        raise ValueError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and pixels into "
+                         f"separate folders")
+    with open(path("manifest.json")) as f:
+        manifest = json.load(f)
+    if manifest.get("complete") is False:
+        raise ValueError(f"the preparation of {data_dir} did not finish; run prepare_imagenet100.py again with the "
+                         f"same arguments to complete it")
+    with open(path("classes.json")) as f:
+        class_names = [c["name"] for c in json.load(f)]
+    labels = np.load(path("labels.npy"))
+    if has_latents:
+        x = np.load(path("latents.npy"), mmap_mode="r")
+        if x.dtype != np.float16 or x.ndim != 5 or x.shape[1] != 2 or x.shape[-1] % 2:
+            raise ValueError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 (N, 2, h, w, 2*C); "
+                             f"prepare it again with prepare_imagenet100.py")
+        if "scaling_factor" not in manifest:
+            raise ValueError(f"{path('manifest.json')} lacks the VAE's scaling_factor; prepare the data again")
+        latent_scale, stored = float(manifest["scaling_factor"]), manifest.get("resolution")
+    else:
+        x = np.load(path("images.npy"), mmap_mode="r")
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
+            raise ValueError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 (N, R, R, 3); "
+                             f"prepare it again with prepare_imagenet100.py --pixels R")
+        latent_scale, stored = None, x.shape[1]
+    if resolution is not None and stored is not None and resolution != stored:
+        raise ValueError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; leave the resolution "
+                         f"unset or prepare the data again at {resolution}")
+    if labels.shape != (len(x),) or (labels.size and not 0 <= labels.min() <= labels.max() < len(class_names)):
+        raise ValueError(f"{path('labels.npy')} does not hold {len(x)} labels in 0-{len(class_names) - 1}; "
+                         f"prepare the data again")
+    return Dataset("imagenet100", x, labels.astype(np.int64), len(class_names), class_names, latent_scale)
+
+
+#################################################################################
+#                                  Load any                                     #
+#################################################################################
+
+def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
+    """Load one of mnist, cifar10, folder or imagenet100. data_dir defaults to default_data_dir(name) (required for
+    'folder'); resolution crops a folder's images and must match what the other datasets hold."""
+    if name == "folder":
+        if data_dir is None:
+            raise ValueError("the 'folder' dataset needs a data_dir (--data-dir): a folder of images, with one "
+                             "sub-folder per class or none")
+        return _load_folder(data_dir, resolution)
+    data_dir = data_dir or default_data_dir(name)
+    if name == "mnist":
+        _check_resolution("mnist", 28, resolution)
+        return _load_mnist(data_dir)
+    if name == "cifar10":
+        _check_resolution("cifar10", 32, resolution)
+        return _load_cifar10(data_dir)
+    if name == "imagenet100":
+        return _load_imagenet100(data_dir, resolution)
+    raise ValueError(f"unknown dataset {name!r}; choose mnist, cifar10, folder or imagenet100")
+
+
+#################################################################################
+#                                    Loader                                     #
+#################################################################################
+
+class Loader:
+    """Endless stream of this process's share of each global batch, computed ahead by background threads.
+
+    Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch is shuffled by
+    default_rng((seed, e)), and the random choices of step s (flips, latent noise) come from default_rng((seed, s, 1))
+    drawn for the whole global batch before this process takes its slice. So a run resumed at any step sees exactly
+    the batches it would have seen, k processes together see what one process would, and batches can be computed
+    in parallel without changing the stream."""
+
+    def __init__(self, ds: Dataset, global_batch: int, seed: int, start_step: int = 0,
+                 process_index: int = 0, process_count: int = 1, prefetch: int = 2):
+        if not 0 < global_batch <= len(ds):
+            raise ValueError(f"global batch {global_batch} must be between 1 and the dataset size ({len(ds)})")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(f"process {process_index} of {process_count} does not exist")
+        if global_batch % process_count:
+            raise ValueError(f"global batch {global_batch} does not split evenly over {process_count} processes; "
+                             f"make it a multiple of {process_count}")
+        if seed < 0 or start_step < 0 or prefetch < 1:
+            raise ValueError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, {start_step} and "
+                             f"{prefetch}")
+        self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
+        self.local_batch = global_batch // process_count
+        self.local_slice = slice(process_index * self.local_batch, (process_index + 1) * self.local_batch)
+        self.steps_per_epoch = len(ds) // global_batch  # the last partial batch of each epoch is dropped
+        self.prefetch = prefetch
+        self._perm = (None, None)  # (epoch, its permutation), replaced as one tuple so threads never see a mix
+        self._pool, self._closed = None, False
+
+    def indices(self, step: int) -> np.ndarray:
+        """Dataset indices of the whole global batch of this step. (G,)"""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        cached_epoch, perm = self._perm
+        if cached_epoch != epoch:
+            perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.ds))
+            self._perm = (epoch, perm)
+        return perm[position * self.global_batch:(position + 1) * self.global_batch]
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """This process's (x, y) of one step: x float32 (B, H, W, C), pixels in [-1, 1] or scaled latents;
+        y int32 (B,), zeros for unconditional data."""
+        ds, G, local = self.ds, self.global_batch, self.local_slice
+        idx = self.indices(step)[local]
+        rng = np.random.default_rng((self.seed, step, 1))
+        if ds.is_latent:
+            h, w, c = ds.input_shape
+            which = rng.integers(0, 2, G) if ds.flip else np.zeros(G, np.int64)  # 0: the image, 1: its flip
+            eps = rng.standard_normal((G, h, w, c), dtype=np.float32)
+            stats = np.asarray(ds.x[idx, which[local]], np.float32)  # (B, h, w, 2C)
+            x = (stats[..., :c] + stats[..., c:] * eps[local]) * np.float32(ds.latent_scale)
+        else:
+            x = np.asarray(ds.x[idx], np.float32) / 127.5 - 1.0  # (B, H, W, C)
+            if ds.flip:
+                flip = (rng.random(G) < 0.5)[local]
+                x[flip] = x[flip, :, ::-1]
+        y = np.zeros(len(idx), np.int32) if ds.labels is None else np.asarray(ds.labels[idx], np.int32)
+        return x, y
+
+    def __iter__(self):
+        if self._pool is not None:
+            raise RuntimeError("a Loader can be iterated only once; make a new one (with start_step) to restart")
+        # `prefetch` threads each compute one of the next batches; numpy's random fills, casts and arithmetic
+        # release the GIL, so they run in parallel with each other and with the training step
+        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="dit-data")
+        steps = itertools.count(self.start_step)
+        pending = deque(self._pool.submit(self.batch, next(steps)) for _ in range(self.prefetch))
+        while True:
+            if self._closed:
+                raise RuntimeError("the data loader was closed; make a new one (with start_step) to go on")
+            item = pending.popleft().result()  # re-raises here whatever went wrong in the thread
+            pending.append(self._pool.submit(self.batch, next(steps)))
+            yield item
+
+    def close(self):
+        """Stop the background threads: batches not started are dropped, the ones under way finish first."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+#################################################################################
+#                                    Training                                   #
+#################################################################################
+
+
+
+
+def make_objective(objective, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
+    """Rectified flow (the default) or DiT's DDPM (`ddpm`, for exact reproduction of the paper)."""
+    if objective == "ddpm":
+        return GaussianDiffusion()
+    return RectifiedFlow(timestep_sampling, loc, scale)
+
+
+def make_optimizer(lr, warmup=0, grad_clip=0.0):
+    """DiT's recipe: AdamW at a constant 1e-4 with no weight decay; optional linear warm-up and clipping."""
+    schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    return (optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip else adamw), schedule
+
+
+def make_mesh():
+    """A 1-D mesh over every device of every host, axis "data". Auto axes: jit's partitioner decides how
+    each intermediate is laid out from the shardings of the inputs and outputs."""
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def fsdp_spec(shape, n):
+    """Shard an array over the mesh's one axis along its largest dimension that n devices divide
+    (FSDP / ZeRO-3 style); replicate it when none does (biases of odd size, scalars)."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n), key=lambda d: -shape[d])
+    if not dims:
+        return P()
+    return P(*[("data" if d == dims[0] else None) for d in range(len(shape))])
+
+
+def state_shardings(abstract_state, mesh, fsdp):
+    """Data parallel: every device holds the whole state. FSDP: parameters, EMA and Adam moments are
+    split over the devices, and jit's partitioner gathers each layer's weights when it needs them."""
+    n = mesh.devices.size
+    return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_spec(a.shape, n) if fsdp else P()), abstract_state)
+
+
+def make_train_step(graphdef, objective, tx, ema_decay, seed):
+    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics).
+
+    The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s), so a
+    resumed run draws exactly what an uninterrupted one would, on any number of devices.
+    """
+    def train_step(state, x, y):
+        key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        key_objective, key_drop = jax.random.split(key)
+
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            losses = objective.training_losses(lambda xt, t: model(xt, t, y, drop_key=key_drop), x, key_objective)
+            return losses["loss"].mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        # DiT keeps an exponential moving average of the weights and samples from it.
+        ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
+        new_state = {"step": state["step"] + 1, "params": params, "ema": ema, "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return train_step
+
+
+def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat):
+    """Model, EMA (a copy of the initial model, as in DiT) and optimizer state, created directly in
+    their shardings so that a model too large for one device is never whole on one."""
+    def init():
+        # Plain nested dicts of arrays: checkpoints then name each array by its path (blocks.0.attn...).
+        params = nnx.state(DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed)), nnx.Param).to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
+
+    abstract = jax.eval_shape(init)
+    shardings = state_shardings(abstract, mesh, fsdp)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))))
+    return graphdef, jax.jit(init, out_shardings=shardings)(), shardings
+
+
+#################################################################################
+#                                  Checkpoints                                  #
+#################################################################################
+
+def flatten(tree):
+    """{'params.blocks.0.attn.qkv.kernel': leaf, ...}: the state as named arrays for an .npz file."""
+    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def to_host(x):
+    """A global array as one numpy array on this host, gathered from the other hosts when it is spread."""
+    return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+
+
+def write_atomically(path, write):
+    """Write a file so that a crash at any instant leaves either the old file or the new one, whole:
+    write a temporary file, flush it to disk, rename it over the target, and flush the directory."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(run_dir, state, meta, keep):
+    """Save the whole training state as checkpoints/step_XXXXXXX.npz and keep the newest `keep`."""
+    arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}  # every process joins the gather
+    if jax.process_index() != 0:
+        return
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    step = int(arrays["step"])
+    path = os.path.join(ckpt_dir, f"step_{step:07d}.npz")
+    write_atomically(path, lambda f: np.savez(f, __meta__=np.array(json.dumps({**meta, "step": step})), **arrays))
+    for old in list_checkpoints(run_dir)[:-keep]:
+        os.remove(old)
+
+
+def list_checkpoints(run_dir):
+    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among them)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir)
+                  if f.startswith("step_") and f.endswith(".npz"))
+
+
+def read_checkpoint(path):
+    """(metadata, arrays) of a checkpoint. Plain .npz with allow_pickle=False: loading runs no code."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return json.loads(str(f["__meta__"])), {k: f[k] for k in f.files if k != "__meta__"}
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path} is not a readable DiT checkpoint ({e})") from None
+
+
+def restore_state(arrays, abstract_state, shardings, what):
+    """Put checkpoint arrays into a state of the given structure and shardings, on however many devices
+    the current mesh has (a checkpoint from 8 devices loads on 1, and the reverse)."""
+    names = flatten(abstract_state)
+    missing = sorted(set(names) - set(arrays))
+    if missing:
+        raise ValueError(f"{what} lacks {missing[:3]}...: it was written for another model or optimizer")
+    leaves = []
+    for (name, like), sharding in zip(names.items(), jax.tree.leaves(shardings)):
+        if arrays[name].shape != like.shape:
+            raise ValueError(f"{what}: {name} has shape {arrays[name].shape}, the model needs {like.shape}: "
+                             f"the checkpoint is from another model size")
+        leaves.append(jax.device_put(arrays[name].astype(like.dtype), sharding))
+    return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
+
+
+def export_ema(ckpt_path, out_path):
+    """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
+    model configuration in the metadata: small enough to share, and loadable by the official code."""
+    meta, arrays = read_checkpoint(ckpt_path)
+    cfg = DiTConfig(**meta["model"])
+    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0)))
+    tensors = {}
+    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = "ema." + ".".join(str(p) for p in path)
+        tensors[torch_name(path)] = to_torch_layout(path[-1], arrays[name])
+    tensors["pos_embed"] = sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid)[None].astype(np.float32)
+    header = {"model": json.dumps(meta["model"]), "objective": json.dumps(meta["objective"])}
+    write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
+    return out_path
+
+
+def write_safetensors(f, tensors, metadata):
+    """The .safetensors format: an 8-byte little-endian header length, a JSON header giving each tensor's
+    dtype, shape and byte range, then the raw little-endian bytes."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        t = np.ascontiguousarray(t, np.float32)
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for t in tensors.values():
+        f.write(np.ascontiguousarray(t, "<f4").tobytes())
+
+
+#################################################################################
+#                            Sampling and evaluation                            #
+#################################################################################
+
+def config_from_json(d):
+    """A DiTConfig from its JSON form (which turns a (height, width) tuple into a list)."""
+    return DiTConfig(**{**d, "input_size": d["input_size"] if isinstance(d["input_size"], int) else tuple(d["input_size"])})
+
+
+def safetensors_metadata(path):
+    """The string metadata in a .safetensors header (where an exported model keeps its configuration)."""
+    with open(path, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__", {})
+
+
+def load_model(path, dtype=jnp.float32):
+    """(model, objective settings, metadata) for sampling, from any of the three weight files:
+    our training checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
+    if path.endswith(".npz"):
+        meta, arrays = read_checkpoint(path)
+        model = DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0))
+        for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            var[...] = jnp.asarray(arrays["ema." + ".".join(str(k) for k in p)])
+        return model, meta["objective"], meta
+    if path.endswith(".safetensors"):
+        meta = {k: json.loads(v) for k, v in safetensors_metadata(path).items()}
+        if "model" not in meta:
+            raise ValueError(f"{path} has no model configuration in its metadata; was it written by `dit.py export`?")
+        model = DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0))
+        load_state_dict(model, read_safetensors(path), path)
+        return model, meta["objective"], meta
+    # The released checkpoints were trained with DDPM (and sampled at 250 steps in the paper).
+    return load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"}, {}
+
+
+def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
+           interval=None, return_trajectory=False):
+    """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free guidance
+    when cfg_scale != 1: the batch is doubled with null labels and the guided half kept. Pure; jit it."""
+    guided = cfg_scale != 1 and model.cfg.num_classes
+    if guided:
+        x = jnp.concatenate([noise, noise])
+        y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
+        model_fn = lambda x, t: model.forward_with_cfg(x, t, y2, cfg_scale, guidance_channels, interval)  # noqa: E731
+    else:
+        x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
+    if isinstance(objective, RectifiedFlow):
+        out = objective.sample(model_fn, x, steps, method, return_trajectory=return_trajectory)
+    else:
+        # DDPM samples on a respaced chain: `steps` evenly spaced timesteps, "ddim<steps>" for DDIM.
+        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps))
+        out = chain.sample(model_fn, x, key, method, return_trajectory=return_trajectory)
+    n = noise.shape[0]
+    return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
+
+
+def to_uint8(images):
+    """Model-space images in [-1, 1] -> uint8, rounded as the official sample_ddp.py does."""
+    return np.asarray(jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8))
+
+
+def save_grid(images, path, nrow=None):
+    """Tile uint8 images (N, H, W, C) into one PNG, 2-pixel gaps, nrow per row (square by default)."""
+    n, h, w, c = images.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / nrow)
+    grid = np.zeros((rows * (h + 2) + 2, nrow * (w + 2) + 2, c), np.uint8)
+    for i, img in enumerate(images):
+        r, q = divmod(i, nrow)
+        grid[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + q * (w + 2):2 + q * (w + 2) + w] = img
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
+    return grid
+
+
+class Sampler:
+    """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the mesh:
+    noise, labels and outputs are split along the batch; latents are decoded by the VAE when given."""
+
+    def __init__(self, model, objective, mesh, *, steps, method, cfg_scale, guidance_channels=None,
+                 interval=None, vae=None, latent_scale=None, return_trajectory=False):
+        graphdef = nnx.graphdef(model)
+        self.model, self.mesh, self.trajectory = model, mesh, return_trajectory
+        batch = NamedSharding(mesh, P("data"))
+
+        def run(params, noise, y, key):
+            m = nnx.merge(graphdef, params)
+            out = sample(m, objective, noise, y, key, steps=steps, method=method, cfg_scale=cfg_scale,
+                         guidance_channels=guidance_channels, interval=interval, return_trajectory=return_trajectory)
+            return out
+
+        self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
+        self.decode = None
+        if vae is not None:
+            vae_graphdef, vae_params = nnx.split(vae)
+            decode = lambda params, z: nnx.merge(vae_graphdef, params).decode(z / latent_scale)  # noqa: E731
+            self.decode = jax.jit(lambda z: decode(vae_params, z), in_shardings=batch, out_shardings=batch)
+
+    def images(self, x):
+        """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1)."""
+        return to_uint8(self.decode(x) if self.decode else x)
+
+    def __call__(self, params, noise, y, key):
+        """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with return_trajectory,
+        also the images of every step (S+1, B, H', W', C')."""
+        out = self.run(params, noise, y, key)
+        if self.trajectory:
+            x, traj = out
+            return self.images(x), np.stack([self.images(xt) for xt in traj])
+        return self.images(out)
+
+
+def fixed_noise(key, n, shape, num_classes):
+    """Noise and labels of the periodic sample grids: the same at every step of a run, so grids compare."""
+    labels = np.arange(n) % max(num_classes, 1)
+    return jax.random.normal(key, (n, *shape)), jnp.asarray(labels, jnp.int32)
+
+
+def generate(sampler, params, n, batch_size, shape, num_classes, seed):
+    """n uint8 samples with labels spread evenly over the classes (as for FID-50K in ADM and DiT), in
+    global batches of batch_size over all devices and hosts. Returns (images (n, H, W, C), labels (n,))."""
+    labels = np.arange(n) % max(num_classes, 1)
+    chunks = []
+    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling", disable=jax.process_index() != 0):
+        y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
+        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
+        chunks.append(sampler(params, noise, jnp.asarray(y, jnp.int32), jax.random.fold_in(jax.random.key(seed + 1), i)))
+    return np.concatenate(chunks)[:n], labels
+
+
+def evaluate_samples(images, ref, inception=None):
+    """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, via fid.py."""
+    import fid
+    return fid.evaluate(images, ref_stats=ref, inception=fid.load_inception(inception))
+
+
+#################################################################################
+#                                 Training loop                                 #
+#################################################################################
+
+# What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 follows the
+# paper (DiT-S/2 on 32x32x4 latents, batch 256, EMA 0.9999, 400K steps); the small pixel datasets get
+# a recipe that shows recognisable samples within minutes, which a 0.9999 EMA would hide for hours.
+RECIPES = {
+    "imagenet100": dict(size="S", patch=2, batch_size=256, ema_decay=0.9999, steps=400_000,
+                        log_every=100, ckpt_every=10_000, sample_every=10_000),
+    "cifar10": dict(size="S", patch=2, batch_size=128, ema_decay=0.9999, steps=200_000,
+                    log_every=100, ckpt_every=10_000, sample_every=5_000),
+    "folder": dict(size="S", patch=2, batch_size=128, ema_decay=0.9999, steps=100_000,
+                   log_every=100, ckpt_every=5_000, sample_every=5_000),
+    "mnist": dict(size="T", patch=4, batch_size=128, ema_decay=0.999, steps=3_000,
+                  log_every=20, ckpt_every=500, sample_every=500),
+}
+# A size not in the paper, for CPU demos and tests.
+DIT_SIZES["T"] = dict(hidden_size=256, depth=6, num_heads=4)
+
+# Settings that define a run: resuming with different ones would silently train something else.
+RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale", "batch_size",
+                "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
+
+
+def setup_distributed(args):
+    """Join the other processes of a multi-host run: automatic on Cloud TPU pods (and SLURM), or by
+    --coordinator/--num-processes/--process-id (or JAX's own environment variables) elsewhere."""
+    if args.coordinator or args.num_processes:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost" or "SLURM_JOB_ID" in os.environ:
+        jax.distributed.initialize()
+
+
+def compute_dtype(precision):
+    return {"bf16": jnp.bfloat16, "fp32": jnp.float32}[precision]
+
+
+def check_run_dir(run_dir, settings):
+    """A run directory holds one run: refuse to resume one whose defining settings differ."""
+    path = os.path.join(run_dir, "run.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), settings[k]) for k in RUN_DEFINING if old.get(k) != settings[k]}
+        if diff:
+            changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+            raise SystemExit(f"{run_dir} holds another run ({changes}). Use another --run-dir, or the same settings "
+                             f"to resume it.")
+    elif jax.process_index() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
+
+
+def train(args):
+    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one."""
+    setup_distributed(args)
+    mesh = make_mesh()
+    if args.batch_size % jax.device_count():
+        raise SystemExit(f"--batch-size {args.batch_size} does not split over {jax.device_count()} devices; "
+                         f"use a multiple of {jax.device_count()}")
+    ds = load_dataset(args.dataset, args.data_dir, args.resolution)
+    H, W, C = ds.input_shape
+    cfg = dit_config(f"{args.size}/{args.patch}", input_size=(H, W) if H != W else H, in_channels=C,
+                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
+    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
+    settings = {k: getattr(args, k) for k in RUN_DEFINING}
+    check_run_dir(args.run_dir, settings)
+    meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
+            "latent_scale": ds.latent_scale,
+            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
+                          "loc": args.ln_loc, "scale": args.ln_scale}}
+    dtype = compute_dtype(args.precision)
+    tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
+    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat)
+    if list_checkpoints(args.run_dir):
+        path = list_checkpoints(args.run_dir)[-1]
+        _, arrays = read_checkpoint(path)
+        state = restore_state(arrays, state, shardings, path)
+        print(f"resumed {path}")
+    start = int(state["step"])
+    print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
+          f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} parameters, "
+          f"{jax.device_count()} devices, {jax.process_count()} processes, {args.precision}")
+
+    batch = NamedSharding(mesh, P("data"))
+    step_fn = jax.jit(make_train_step(graphdef, objective, tx, args.ema_decay, args.seed),
+                      in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
+    vae = load_vae(args.vae) if ds.is_latent else None
+    grid_n = math.ceil(16 / jax.device_count()) * jax.device_count()
+    grid_noise, grid_labels = fixed_noise(jax.random.key(args.seed + 1), grid_n, (H, W, C), ds.num_classes)
+    ema_model = nnx.merge(graphdef, state["ema"])
+    sample_method = "euler" if args.objective == "rf" else "ddpm"
+    grid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
+                           cfg_scale=args.cfg_scale if ds.num_classes else 1.0, vae=vae, latent_scale=ds.latent_scale)
+    fid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
+                          cfg_scale=args.fid_cfg_scale if ds.num_classes else 1.0, vae=vae,
+                          latent_scale=ds.latent_scale) if args.fid_every or args.final_fid else None
+    fid_ref = args.fid_ref or (os.path.join(args.data_dir, "fid_stats.npz") if args.dataset == "imagenet100" else None)
+
+    def log(record):
+        if jax.process_index() == 0:
+            with open(os.path.join(args.run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run_fid(step, n):
+        if not (fid_ref and os.path.exists(fid_ref)):
+            print(f"no FID reference statistics ({fid_ref}); pass --fid-ref")
+            return
+        images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
+        result = evaluate_samples(images, fid_ref, args.inception)
+        log({"step": step, f"fid{n // 1000}k": result["fid"], "inception_score": result["inception_score"]})
+        print(f"step {step}: FID-{n // 1000}K {result['fid']:.2f}, IS {result['inception_score']:.2f}")
+
+    loader = Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count())
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=jax.process_index() != 0)
+    pending, t0 = [], time.perf_counter()
+    try:
+        for step, (x, y) in zip(bar, loader):
+            x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
+            y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
+            state, metrics = step_fn(state, x, y)
+            pending.append(metrics)
+            done = step + 1
+            if done % args.log_every == 0 or done == args.steps or done % args.ckpt_every == 0:
+                # Reading the loss waits for the device, so it is done once per logging interval.
+                losses = [float(m["loss"]) for m in pending]
+                bad = [s for s, v in zip(range(done - len(losses), done), losses) if not math.isfinite(v)]
+                if bad:
+                    raise FloatingPointError(f"the loss became {losses[bad[0] - done + len(losses)]} at step "
+                                             f"{bad[0] + 1}; the last good checkpoint is kept in {args.run_dir}")
+                seconds = (time.perf_counter() - t0) / len(pending)
+                record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": float(pending[-1]["grad_norm"]),
+                          "lr": float(schedule(done)), "images_per_s": args.batch_size / seconds,
+                          "s_per_step": seconds}
+                log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+                pending, t0 = [], time.perf_counter()
+            if done % args.ckpt_every == 0 or done == args.steps:
+                save_checkpoint(args.run_dir, state, meta, args.keep)
+            if done % args.sample_every == 0 or done == args.steps:
+                images = grid_sampler(state["ema"], grid_noise, grid_labels, jax.random.key(args.seed + 2))
+                if jax.process_index() == 0:
+                    save_grid(images, os.path.join(args.run_dir, "samples", f"step_{done:07d}.png"))
+            if args.fid_every and done % args.fid_every == 0:
+                run_fid(done, args.fid_samples)
+    finally:
+        loader.close()
+    if jax.process_index() == 0 and list_checkpoints(args.run_dir):
+        print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], os.path.join(args.run_dir, "ema.safetensors")))
+    if args.final_fid:
+        run_fid(args.steps, args.final_fid)
+    return state
+
+
+#################################################################################
+#                                   Benchmark                                   #
+#################################################################################
+
+# Dense bfloat16 peak of common accelerators, FLOP/s, for model FLOPs utilisation (MFU).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12, "T4": 65e12,
+              "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12, "TPU v3": 123e12,
+              "TPU v2": 45e12}
+
+
+def dit_flops(cfg):
+    """Forward FLOPs of one image (2 per multiply-add): the matrix products of the blocks, attention
+    and the embedders. The paper's "Gflops" count multiply-adds: half of this (118.6 for DiT-XL/2)."""
+    (h, w), D, p = cfg.grid, cfg.hidden_size, cfg.patch_size
+    T, M = h * w, int(D * cfg.mlp_ratio)
+    per_block = T * (3 * D * D + D * D + 2 * D * M) + 2 * T * T * D + 6 * D * D  # qkv, proj, mlp, attention, adaLN
+    embed = T * p * p * cfg.in_channels * D + 256 * D + D * D + 2 * D * D + T * D * p * p * cfg.out_channels
+    return 2 * (cfg.depth * per_block + embed)
+
+
+def bench(args):
+    """Training throughput on synthetic data: images/s, ms per step, peak memory and MFU."""
+    mesh = make_mesh()
+    cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size, in_channels=args.channels,
+                     num_classes=1000, learn_sigma=args.objective == "ddpm")
+    objective = make_objective(args.objective)
+    tx, _ = make_optimizer(1e-4)
+    graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp, compute_dtype(args.precision), args.remat)
+    batch = NamedSharding(mesh, P("data"))
+    step_fn = jax.jit(make_train_step(graphdef, objective, tx, 0.9999, 0),
+                      in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (args.batch_size, args.image_size, args.image_size,
+                                                             args.channels)), batch)
+    y = jax.device_put(jnp.arange(args.batch_size) % 1000, batch)
+    t = time.perf_counter()
+    state, m = step_fn(state, x, y)
+    float(m["loss"])
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        state, m = step_fn(state, x, y)
+    float(m["loss"])
+    seconds = (time.perf_counter() - t) / args.steps
+    device = jax.devices()[0]
+    flops = 3 * dit_flops(cfg) * args.batch_size  # backward = twice the forward
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
+    mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, global batch "
+          f"{args.batch_size}, {args.precision}{', remat' if args.remat else ''}{', fsdp' if args.fsdp else ''}, "
+          f"{jax.device_count()} x {device.device_kind}")
+    print(f"  compile {compile_s:.1f} s | {1000 * seconds:.1f} ms/step | {args.batch_size / seconds:.1f} images/s | "
+          f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU "
+          f"{f'{100 * flops / seconds / (peak * jax.device_count()):.1f}%' if peak else 'n/a (unknown peak)'} | "
+          f"peak memory {f'{mem / 2**30:.2f} GiB' if mem else 'n/a'}")
+    return {"ms_per_step": 1000 * seconds, "images_per_s": args.batch_size / seconds}
+
+
+#################################################################################
+#                                  Command line                                 #
+#################################################################################
+
+
+
+def sample_command(args):
+    """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their scores."""
+    setup_distributed(args)
+    mesh = make_mesh()
+    model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
+    objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"), obj.get("loc", 0.0),
+                               obj.get("scale", 1.0))
+    method = args.sampler or ("euler" if obj["name"] == "rf" else "ddpm")
+    steps = args.steps or (50 if obj["name"] == "rf" else 250)
+    cfg = model.cfg
+    latent_scale = meta.get("latent_scale", 0.18215 if cfg.in_channels == 4 else None)
+    vae = load_vae(args.vae) if latent_scale else None
+    shape = (*cfg.grid, cfg.in_channels)
+    shape = (shape[0] * cfg.patch_size, shape[1] * cfg.patch_size, cfg.in_channels)
+    sampler = Sampler(model, objective, mesh, steps=steps, method=method,
+                      cfg_scale=args.cfg_scale if cfg.num_classes else 1.0,
+                      guidance_channels=3 if args.guidance_channels == "3" else None,
+                      interval=args.guidance_interval, vae=vae, latent_scale=latent_scale,
+                      return_trajectory=bool(args.gif))
+    params = nnx.state(model, nnx.Param)
+    if args.fid:
+        images, labels = generate(sampler, params, args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
+        if jax.process_index() == 0:
+            out = args.out or "samples.npz"
+            write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
+            print(f"{len(images)} samples -> {out}")
+        if args.ref:
+            result = evaluate_samples(images, args.ref, args.inception)
+            print(f"FID-{args.fid // 1000}K {result['fid']:.3f}   Inception Score {result['inception_score']:.2f}")
+        return
+    n = math.ceil(args.n / jax.device_count()) * jax.device_count()
+    labels = (np.asarray(args.labels * n)[:n] if args.labels else np.arange(n) % max(cfg.num_classes, 1))
+    noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
+    out = sampler(params, noise, jnp.asarray(labels, jnp.int32), jax.random.key(args.seed + 1))
+    images, trajectory = out if args.gif else (out, None)
+    out_path = args.out or "samples.png"
+    save_grid(images[:args.n], out_path)
+    print(f"{args.n} samples -> {out_path}")
+    if args.gif:
+        frames = trajectory[np.linspace(0, len(trajectory) - 1, min(len(trajectory), 60)).round().astype(int)]
+        grids = [Image.fromarray(save_grid(f[:args.n], out_path + ".frame.png").squeeze()) for f in frames]
+        os.remove(out_path + ".frame.png")
+        grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20, duration=60, loop=0)
+        print(f"trajectory -> {args.gif}")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="dit.py", description="Train, sample, export and benchmark DiT models. "
+                                     "Commands: train (default), sample, export, bench; `dit.py COMMAND --help`.")
+    sub = parser.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="train a DiT (the default command)")
+    t.add_argument("--dataset", default="mnist", choices=["mnist", "cifar10", "imagenet100", "folder"])
+    t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for mnist and cifar10)")
+    t.add_argument("--resolution", type=int, help="centre-crop size for --dataset folder")
+    t.add_argument("--size", choices=list(DIT_SIZES), help="model size (T is a tiny size for CPU demos)")
+    t.add_argument("--patch", type=int, choices=[2, 4, 8])
+    t.add_argument("--objective", default="rf", choices=["rf", "ddpm"],
+                   help="rectified flow, or DiT's DDPM with learned variance (exact paper reproduction)")
+    t.add_argument("--timestep-sampling", default="logit_normal", choices=["logit_normal", "uniform"])
+    t.add_argument("--ln-loc", type=float, default=0.0, help="mean of the logit-normal timestep distribution")
+    t.add_argument("--ln-scale", type=float, default=1.0, help="scale of the logit-normal timestep distribution")
+    t.add_argument("--batch-size", type=int, help="global batch over all devices and hosts (DiT: 256)")
+    t.add_argument("--steps", type=int, help="training steps")
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    t.add_argument("--grad-clip", type=float, default=0.0, help="clip the global gradient norm (0: off)")
+    t.add_argument("--ema-decay", type=float)
+    t.add_argument("--precision", choices=["bf16", "fp32"],
+                   help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on accelerators)")
+    t.add_argument("--remat", action="store_true", help="recompute block activations in the backward pass")
+    t.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over the devices")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--run-dir", help="checkpoints, metrics and samples; an existing run there is resumed")
+    t.add_argument("--log-every", type=int)
+    t.add_argument("--ckpt-every", type=int)
+    t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    t.add_argument("--sample-every", type=int)
+    t.add_argument("--sample-steps", type=int, help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
+    t.add_argument("--cfg-scale", type=float, default=4.0, help="guidance scale of the sample grids")
+    t.add_argument("--fid-every", type=int, default=0, help="FID every N steps (0: never)")
+    t.add_argument("--fid-samples", type=int, default=5000, help="samples for --fid-every")
+    t.add_argument("--final-fid", type=int, default=10_000, help="samples for the FID at the end (0: none)")
+    t.add_argument("--fid-cfg-scale", type=float, default=1.5)
+    t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: <data-dir>/fid_stats.npz)")
+    t.add_argument("--inception", help="pytorch-fid Inception weights (downloaded when missing)")
+    t.add_argument("--vae", default="ema", help="VAE for latent datasets: ema, mse, or a local folder or file")
+
+    s = sub.add_parser("sample", help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
+    s.add_argument("--ckpt", required=True, help="training checkpoint .npz, exported .safetensors or official .pt")
+    s.add_argument("--cfg-scale", type=float, default=4.0)
+    s.add_argument("--steps", type=int, help="sampling steps (rf: 50, ddpm: 250)")
+    s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"], help="rf: euler|heun, ddpm: ddpm|ddim")
+    s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
+                   help="guide all channels, or the first 3 as the official FID figures were computed")
+    s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
+                   help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale")
+    s.add_argument("--n", type=int, default=16, help="images in the grid")
+    s.add_argument("--labels", type=int, nargs="*", help="class labels of the grid (default: 0, 1, 2, ...)")
+    s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
+    s.add_argument("--fid", type=int, default=0, help="draw this many samples (labels spread evenly) as .npz")
+    s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
+    s.add_argument("--inception", help="pytorch-fid Inception weights (downloaded when missing)")
+    s.add_argument("--batch-size", type=int, default=64, help="global sampling batch for --fid")
+    s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--precision", default="fp32", choices=["bf16", "fp32"])
+    s.add_argument("--vae", default="ema", help="VAE for latent models: ema, mse, or a local folder or file")
+
+    e = sub.add_parser("export", help="write the EMA weights of a checkpoint as .safetensors")
+    e.add_argument("--ckpt", required=True)
+    e.add_argument("--out", required=True)
+
+    b = sub.add_parser("bench", help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
+    b.add_argument("--size", default="S", choices=list(DIT_SIZES))
+    b.add_argument("--patch", type=int, default=2, choices=[2, 4, 8])
+    b.add_argument("--image-size", type=int, default=32, help="latent size (32 for 256x256 images)")
+    b.add_argument("--channels", type=int, default=4)
+    b.add_argument("--batch-size", type=int, default=256)
+    b.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    b.add_argument("--objective", default="rf", choices=["rf", "ddpm"])
+    b.add_argument("--remat", action="store_true")
+    b.add_argument("--fsdp", action="store_true")
+    b.add_argument("--steps", type=int, default=10, help="timed steps after the compiling one")
+    for p in (t, s):
+        p.add_argument("--coordinator", help="address:port of process 0, for multi-host runs outside TPU pods")
+        p.add_argument("--num-processes", type=int)
+        p.add_argument("--process-id", type=int)
+    return parser
+
+
+def main(argv=None):
+    """The command line, also callable from a notebook: main(["--dataset", "mnist"])."""
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if not argv or argv[0] not in ("train", "sample", "export", "bench", "-h", "--help"):
+        argv = ["train", *argv]
+    args = build_parser().parse_args(argv)
+    if args.command == "sample":
+        return sample_command(args)
+    if args.command == "export":
+        return print("EMA weights:", export_ema(args.ckpt, args.out))
+    if args.command == "bench":
+        return bench(args)
+    for key, value in RECIPES[args.dataset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.precision = args.precision or ("fp32" if jax.default_backend() == "cpu" else "bf16")
+    args.sample_steps = args.sample_steps or (50 if args.objective == "rf" else 250)
+    args.run_dir = args.run_dir or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}")
+    return train(args)
+
+
+if __name__ == "__main__":
+    main()

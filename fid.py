@@ -1,0 +1,877 @@
+"""
+FID and Inception Score with the FID InceptionV3 network, in JAX, giving pytorch-fid's numbers.
+
+The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two Time-Scale
+Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by pytorch-fid
+(github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file directly, without
+torch, through a restricted unpickler that is also used to read DiT checkpoints and other pickles.
+"""
+
+import collections
+import hashlib
+import os
+import pickle
+import struct
+import tempfile
+import types
+import urllib.request
+import warnings
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.linalg
+import scipy.special
+from flax import nnx
+from tqdm import tqdm
+
+
+#################################################################################
+#                 Restricted Reader for PyTorch Files (no torch)                #
+#################################################################################
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """A pickle asked for a global (class or function) that is not on the allow list."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler whose only way to reach Python objects is an explicit table.
+
+    A pickle can call any importable function (`os.system` included) by naming it; every such name goes
+    through `find_class`, so refusing unknown names here means nothing from the file can run.
+    """
+
+    def __init__(self, fileobj, allowed, persistent_load, encoding):
+        super().__init__(fileobj, encoding=encoding)
+        self.allowed = allowed
+        if persistent_load is not None:
+            self.persistent_load = persistent_load
+
+    def find_class(self, module, name):
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"refused to load the global '{module}.{name}': it is not on the allow list. The file may be "
+                f"malicious (a pickle can run arbitrary code through such names), or it uses a feature this "
+                f"reader does not support. Nothing from the file was run.") from None
+
+
+def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
+    """Unpickle `fileobj`, resolving a global `module.name` only as `allowed[(module, name)]`.
+
+    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses them
+    for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes" or "latin1".
+    """
+    return _RestrictedUnpickler(fileobj, allowed, persistent_load, encoding).load()
+
+
+# Storage classes as torch names them in a pickle -> element type of their raw little-endian bytes.
+# bfloat16 has no numpy type; it is read as uint16 and widened to float32 (exact) in _storage_array.
+_TORCH_STORAGE_DTYPES = {
+    "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
+    "BFloat16Storage": np.uint16, "LongStorage": np.int64, "IntStorage": np.int32,
+    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+}
+
+
+class _StorageType:
+    """Stand-in for a `torch.*Storage` class: only carries the element type."""
+
+    def __init__(self, name):
+        self.name = name
+        self.dtype = np.dtype(_TORCH_STORAGE_DTYPES[name])
+
+
+class _Storage:
+    """A tensor storage named in the pickle; its bytes are attached once they have been read."""
+
+    def __init__(self, storage_type, numel):
+        self.storage_type = storage_type
+        self.numel = numel
+        self.data = None  # 1-D numpy array of numel elements
+
+
+class _Tensor:
+    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by _materialize."""
+
+    def __init__(self, storage, offset, size, stride):
+        self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+    return _Tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks):
+    return data  # an nn.Parameter is just its tensor here
+
+
+# Everything a torch.save file of tensors, state dicts and official DiT training checkpoints
+# ({"model", "ema", "opt", "args"}) names. argparse.Namespace becomes a SimpleNamespace: same
+# attribute access, no argparse behaviour.
+_TORCH_ALLOWED = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("argparse", "Namespace"): types.SimpleNamespace,
+    **{("torch", name): _StorageType(name) for name in _TORCH_STORAGE_DTYPES},
+}
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of torch's legacy (non-zip) format
+
+
+def _storage_id(path, saved_id):
+    """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it."""
+    if not (isinstance(saved_id, tuple) and len(saved_id) in (5, 6) and saved_id[0] == "storage"):
+        kind = saved_id[0] if isinstance(saved_id, tuple) and saved_id else saved_id
+        raise ValueError(f"{path}: unsupported persistent id {kind!r} (only tensor storages are read; "
+                         f"save a state_dict rather than a whole module)")
+    storage_type, key, numel = saved_id[1], str(saved_id[2]), saved_id[4]
+    if len(saved_id) == 6 and saved_id[5] is not None:
+        raise ValueError(f"{path}: storage views (files from torch < 0.4) are not supported")
+    if not isinstance(storage_type, _StorageType) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"{path}: malformed storage record {saved_id!r}")
+    return storage_type, key, numel
+
+
+def _storage_array(path, storage, raw, little_endian):
+    """Raw bytes -> 1-D numpy array of storage.numel elements (bfloat16 widened to float32)."""
+    dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
+    if len(raw) < storage.numel * dtype.itemsize:
+        raise ValueError(f"{path}: truncated tensor data ({len(raw)} bytes where "
+                         f"{storage.numel * dtype.itemsize} were expected)")
+    data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
+    if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
+        data = (data.astype(np.uint32) << 16).view(np.float32)
+    return data
+
+
+def _materialize(path, obj):
+    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the file)."""
+    if isinstance(obj, _Tensor):
+        data = obj.storage.data
+        if data is None:
+            raise ValueError(f"{path}: a tensor refers to a storage whose data is missing (truncated file?)")
+        if any(s < 0 for s in obj.size) or any(s < 0 for s in obj.stride) or obj.offset < 0:
+            raise ValueError(f"{path}: tensor with negative size, stride or offset")
+        # The last element a strided view touches must lie inside the storage, or as_strided would read
+        # arbitrary memory.
+        last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
+        if 0 not in obj.size and last >= data.size:
+            raise ValueError(f"{path}: tensor of size {obj.size} reaches element {last} of a storage "
+                             f"of {data.size} elements")
+        view = np.lib.stride_tricks.as_strided(data[obj.offset:] if 0 not in obj.size else data, obj.size,
+                                               [s * data.itemsize for s in obj.stride], writeable=False)
+        return np.array(view)
+    if isinstance(obj, dict):
+        return {k: _materialize(path, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialize(path, v) for v in obj)
+    if isinstance(obj, types.SimpleNamespace):
+        return types.SimpleNamespace(**_materialize(path, vars(obj)))
+    return obj
+
+
+def _load_torch_zip(path, archive):
+    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per storage."""
+    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise ValueError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl inside)")
+    top = pickles[0][: -len("data.pkl")]
+    # Files from before torch 1.10 have no byteorder record; they are little-endian.
+    little_endian = top + "byteorder" not in archive.namelist() or archive.read(top + "byteorder") != b"big"
+    storages = {}
+
+    def persistent_load(saved_id):
+        storage_type, key, numel = _storage_id(path, saved_id)
+        if key not in storages:  # tensors that share a storage share the array
+            storages[key] = storage = _Storage(storage_type, numel)
+            try:
+                raw = archive.read(f"{top}data/{key}")
+            except KeyError:
+                raise ValueError(f"{path}: storage {key!r} is missing from the archive") from None
+            storage.data = _storage_array(path, storage, raw, little_endian)
+        return storages[key]
+
+    with archive.open(pickles[0]) as f:
+        return safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
+
+
+def _load_torch_legacy(path, f):
+    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list of
+    storage keys, then each storage as an int64 element count followed by its raw bytes."""
+    try:
+        magic = safe_unpickle(f, {})
+    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
+        raise ValueError(f"{path}: not a PyTorch file (neither a zip archive nor a legacy torch.save "
+                         f"pickle: {e})") from None
+    if magic != _LEGACY_MAGIC:
+        raise ValueError(f"{path}: not a PyTorch file (neither a zip archive nor a legacy torch.save pickle)")
+    protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
+    if protocol != 1001 or not isinstance(sys_info, dict):
+        raise ValueError(f"{path}: unsupported legacy torch format (protocol {protocol!r})")
+    little_endian = sys_info.get("little_endian", True)
+    storages = {}
+
+    def persistent_load(saved_id):
+        storage_type, key, numel = _storage_id(path, saved_id)
+        return storages.setdefault(key, _Storage(storage_type, numel))
+
+    obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
+    keys = safe_unpickle(f, {})
+    for key in keys:
+        if key not in storages:
+            raise ValueError(f"{path}: the storage list names {key!r}, which no tensor uses")
+        storage = storages[key]
+        header = f.read(8)
+        if len(header) < 8:
+            raise ValueError(f"{path}: truncated file (storage {key!r} is missing)")
+        count = struct.unpack("<q" if little_endian else ">q", header)[0]
+        if count != storage.numel:
+            raise ValueError(f"{path}: storage {key!r} holds {count} elements where {storage.numel} were expected")
+        nbytes = count * storage.storage_type.dtype.itemsize
+        if nbytes > os.fstat(f.fileno()).st_size - f.tell():  # check before reading, so a lie cannot exhaust memory
+            raise ValueError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes)")
+        storage.data = _storage_array(path, storage, f.read(nbytes), little_endian)
+    return obj
+
+
+def load_torch(path):
+    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
+
+    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the legacy
+    format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any other global in
+    the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come back as float32.
+    """
+    with open(path, "rb") as f:
+        try:
+            if not f.read(4):
+                raise ValueError(f"{path}: the file is empty")
+            f.seek(0)
+            if zipfile.is_zipfile(f):
+                with zipfile.ZipFile(f) as archive:
+                    obj = _load_torch_zip(path, archive)
+            else:
+                f.seek(0)
+                if f.read(2) == b"PK":
+                    raise ValueError(f"{path}: a damaged or truncated zip archive")
+                f.seek(0)
+                obj = _load_torch_legacy(path, f)
+        except UnsafePickleError:
+            raise
+        except ValueError as e:
+            if str(e).startswith(f"{path}:"):  # one of ours, already explains itself
+                raise
+            raise ValueError(f"{path}: damaged or truncated PyTorch file ({e})") from None
+        except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError, TypeError,
+                AttributeError, KeyError, OverflowError, MemoryError, RecursionError, NotImplementedError,
+                RuntimeError, OSError) as e:
+            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's internals.
+            raise ValueError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: {e})") from None
+    return _materialize(path, obj)
+
+
+#################################################################################
+#                      FID InceptionV3 (pytorch-fid's port)                     #
+#################################################################################
+
+def resize_matrix(in_size, out_size):
+    """(out_size, in_size) matrix of torch's bilinear `interpolate(align_corners=False)` along one axis.
+
+    Output pixel i samples the input at src = (i + 0.5) * in/out - 0.5 (clamped below at 0) and mixes
+    its two neighbours linearly. There is no antialiasing: when shrinking, pixels between the sampled
+    pairs are skipped, exactly as in pytorch-fid.
+    """
+    # Rounded as torch's CPU kernel rounds: a float32 scale, then a fused multiply-add rounded once to float32.
+    scale = np.float64(np.float32(in_size) / np.float32(out_size))
+    src = np.maximum(((np.arange(out_size) + 0.5) * scale - 0.5).astype(np.float32), 0)
+    lo = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    hi = np.minimum(lo + 1, in_size - 1)
+    frac = np.clip(src - lo, 0, 1).astype(np.float32)
+    matrix = np.zeros((out_size, in_size), np.float32)
+    rows = np.arange(out_size)
+    np.add.at(matrix, (rows, lo), 1 - frac)  # add.at: lo == hi at the last input pixel
+    np.add.at(matrix, (rows, hi), frac)
+    return matrix
+
+
+def resize_bilinear(x, height, width):
+    """(B, H, W, C) -> (B, height, width, C) as torch's bilinear interpolate without antialiasing.
+
+    Bilinear resizing is separable, so it is two small matrix products, exact and fast on any device.
+    """
+    rows, cols = resize_matrix(x.shape[1], height), resize_matrix(x.shape[2], width)
+    # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32.
+    x = jnp.einsum("oh,bhwc->bowc", rows, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, W, C)
+    return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, width, C)
+
+
+class BasicConv2d(nnx.Module):
+    """Convolution without bias, BatchNorm (eps 1e-3, the TF graph's) and ReLU: torchvision's BasicConv2d."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, *, rngs):
+        kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        ph, pw = (padding, padding) if isinstance(padding, int) else padding
+        self.conv = nnx.Conv(in_channels, out_channels, (kh, kw), stride, padding=((ph, ph), (pw, pw)),
+                             use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(out_channels, use_running_average=True, epsilon=1e-3, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.bn(self.conv(x)))
+
+
+def avg_pool_3x3(x):
+    """3x3 average pooling, stride 1, padding 1, where the padding is not counted in the average.
+
+    That is how the TF graph pools in the A, C and first E blocks (pytorch-fid's FIDInception* classes
+    pass count_include_pad=False); torchvision's InceptionV3 counts the padding and differs at borders.
+    """
+    return nnx.avg_pool(x, (3, 3), (1, 1), padding=((1, 1), (1, 1)), count_include_pad=False)
+
+
+def max_pool_3x3(x, stride, padding=0):
+    return nnx.max_pool(x, (3, 3), (stride, stride), padding=((padding, padding), (padding, padding)))
+
+
+class InceptionA(nnx.Module):
+    """Mixed_5b/5c/5d: 1x1, 5x5, double 3x3 and pooled branches (35x35 grid)."""
+
+    def __init__(self, in_channels, pool_features, *, rngs):
+        self.branch1x1 = BasicConv2d(in_channels, 64, 1, rngs=rngs)
+        self.branch5x5_1 = BasicConv2d(in_channels, 48, 1, rngs=rngs)
+        self.branch5x5_2 = BasicConv2d(48, 64, 5, padding=2, rngs=rngs)
+        self.branch3x3dbl_1 = BasicConv2d(in_channels, 64, 1, rngs=rngs)
+        self.branch3x3dbl_2 = BasicConv2d(64, 96, 3, padding=1, rngs=rngs)
+        self.branch3x3dbl_3 = BasicConv2d(96, 96, 3, padding=1, rngs=rngs)
+        self.branch_pool = BasicConv2d(in_channels, pool_features, 1, rngs=rngs)
+
+    def __call__(self, x):
+        branch5x5 = self.branch5x5_2(self.branch5x5_1(x))
+        branch3x3dbl = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
+        branch_pool = self.branch_pool(avg_pool_3x3(x))
+        return jnp.concatenate([self.branch1x1(x), branch5x5, branch3x3dbl, branch_pool], axis=-1)
+
+
+class InceptionB(nnx.Module):
+    """Mixed_6a: halves the grid (35 -> 17) with strided 3x3 convolutions beside a max pool."""
+
+    def __init__(self, in_channels, *, rngs):
+        self.branch3x3 = BasicConv2d(in_channels, 384, 3, stride=2, rngs=rngs)
+        self.branch3x3dbl_1 = BasicConv2d(in_channels, 64, 1, rngs=rngs)
+        self.branch3x3dbl_2 = BasicConv2d(64, 96, 3, padding=1, rngs=rngs)
+        self.branch3x3dbl_3 = BasicConv2d(96, 96, 3, stride=2, rngs=rngs)
+
+    def __call__(self, x):
+        branch3x3dbl = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
+        return jnp.concatenate([self.branch3x3(x), branch3x3dbl, max_pool_3x3(x, 2)], axis=-1)
+
+
+class InceptionC(nnx.Module):
+    """Mixed_6b..6e: 7x7 convolutions factorised into 1x7 and 7x1 (17x17 grid)."""
+
+    def __init__(self, in_channels, channels_7x7, *, rngs):
+        c7 = channels_7x7
+        self.branch1x1 = BasicConv2d(in_channels, 192, 1, rngs=rngs)
+        self.branch7x7_1 = BasicConv2d(in_channels, c7, 1, rngs=rngs)
+        self.branch7x7_2 = BasicConv2d(c7, c7, (1, 7), padding=(0, 3), rngs=rngs)
+        self.branch7x7_3 = BasicConv2d(c7, 192, (7, 1), padding=(3, 0), rngs=rngs)
+        self.branch7x7dbl_1 = BasicConv2d(in_channels, c7, 1, rngs=rngs)
+        self.branch7x7dbl_2 = BasicConv2d(c7, c7, (7, 1), padding=(3, 0), rngs=rngs)
+        self.branch7x7dbl_3 = BasicConv2d(c7, c7, (1, 7), padding=(0, 3), rngs=rngs)
+        self.branch7x7dbl_4 = BasicConv2d(c7, c7, (7, 1), padding=(3, 0), rngs=rngs)
+        self.branch7x7dbl_5 = BasicConv2d(c7, 192, (1, 7), padding=(0, 3), rngs=rngs)
+        self.branch_pool = BasicConv2d(in_channels, 192, 1, rngs=rngs)
+
+    def __call__(self, x):
+        branch7x7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
+        branch7x7dbl = self.branch7x7dbl_1(x)
+        for conv in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+            branch7x7dbl = conv(branch7x7dbl)
+        branch_pool = self.branch_pool(avg_pool_3x3(x))
+        return jnp.concatenate([self.branch1x1(x), branch7x7, branch7x7dbl, branch_pool], axis=-1)
+
+
+class InceptionD(nnx.Module):
+    """Mixed_7a: halves the grid (17 -> 8) with strided convolutions beside a max pool."""
+
+    def __init__(self, in_channels, *, rngs):
+        self.branch3x3_1 = BasicConv2d(in_channels, 192, 1, rngs=rngs)
+        self.branch3x3_2 = BasicConv2d(192, 320, 3, stride=2, rngs=rngs)
+        self.branch7x7x3_1 = BasicConv2d(in_channels, 192, 1, rngs=rngs)
+        self.branch7x7x3_2 = BasicConv2d(192, 192, (1, 7), padding=(0, 3), rngs=rngs)
+        self.branch7x7x3_3 = BasicConv2d(192, 192, (7, 1), padding=(3, 0), rngs=rngs)
+        self.branch7x7x3_4 = BasicConv2d(192, 192, 3, stride=2, rngs=rngs)
+
+    def __call__(self, x):
+        branch3x3 = self.branch3x3_2(self.branch3x3_1(x))
+        branch7x7x3 = self.branch7x7x3_1(x)
+        for conv in (self.branch7x7x3_2, self.branch7x7x3_3, self.branch7x7x3_4):
+            branch7x7x3 = conv(branch7x7x3)
+        return jnp.concatenate([branch3x3, branch7x7x3, max_pool_3x3(x, 2)], axis=-1)
+
+
+class InceptionE(nnx.Module):
+    """Mixed_7b/7c: 3x3 convolutions split into parallel 1x3 and 3x1 outputs (8x8 grid).
+
+    The TF graph pools the last branch by averaging (padding not counted) in Mixed_7b but by max pooling
+    in Mixed_7c, pytorch-fid's FIDInceptionE_1 and FIDInceptionE_2.
+    """
+
+    def __init__(self, in_channels, pool, *, rngs):
+        self.pool = {"avg": avg_pool_3x3, "max": lambda x: max_pool_3x3(x, 1, padding=1)}[pool]
+        self.branch1x1 = BasicConv2d(in_channels, 320, 1, rngs=rngs)
+        self.branch3x3_1 = BasicConv2d(in_channels, 384, 1, rngs=rngs)
+        self.branch3x3_2a = BasicConv2d(384, 384, (1, 3), padding=(0, 1), rngs=rngs)
+        self.branch3x3_2b = BasicConv2d(384, 384, (3, 1), padding=(1, 0), rngs=rngs)
+        self.branch3x3dbl_1 = BasicConv2d(in_channels, 448, 1, rngs=rngs)
+        self.branch3x3dbl_2 = BasicConv2d(448, 384, 3, padding=1, rngs=rngs)
+        self.branch3x3dbl_3a = BasicConv2d(384, 384, (1, 3), padding=(0, 1), rngs=rngs)
+        self.branch3x3dbl_3b = BasicConv2d(384, 384, (3, 1), padding=(1, 0), rngs=rngs)
+        self.branch_pool = BasicConv2d(in_channels, 192, 1, rngs=rngs)
+
+    def __call__(self, x):
+        branch3x3 = self.branch3x3_1(x)
+        branch3x3 = jnp.concatenate([self.branch3x3_2a(branch3x3), self.branch3x3_2b(branch3x3)], axis=-1)
+        branch3x3dbl = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
+        branch3x3dbl = jnp.concatenate([self.branch3x3dbl_3a(branch3x3dbl), self.branch3x3dbl_3b(branch3x3dbl)],
+                                       axis=-1)
+        branch_pool = self.branch_pool(self.pool(x))
+        return jnp.concatenate([self.branch1x1(x), branch3x3, branch3x3dbl, branch_pool], axis=-1)
+
+
+class InceptionV3(nnx.Module):
+    """The FID InceptionV3: uint8 images (B, H, W, 3) -> (pool features (B, 2048), logits (B, 1008)).
+
+    Same layers and names as pytorch-fid's `fid_inception_v3()`, so its weight file maps one to one.
+    Inputs of any size are resized to 299x299 as pytorch-fid does; the 1008 logits (1000 ImageNet classes
+    plus 8 unused, as in the TF graph) serve the Inception Score.
+    """
+
+    def __init__(self, *, rngs):
+        self.Conv2d_1a_3x3 = BasicConv2d(3, 32, 3, stride=2, rngs=rngs)
+        self.Conv2d_2a_3x3 = BasicConv2d(32, 32, 3, rngs=rngs)
+        self.Conv2d_2b_3x3 = BasicConv2d(32, 64, 3, padding=1, rngs=rngs)
+        self.Conv2d_3b_1x1 = BasicConv2d(64, 80, 1, rngs=rngs)
+        self.Conv2d_4a_3x3 = BasicConv2d(80, 192, 3, rngs=rngs)
+        self.Mixed_5b = InceptionA(192, pool_features=32, rngs=rngs)
+        self.Mixed_5c = InceptionA(256, pool_features=64, rngs=rngs)
+        self.Mixed_5d = InceptionA(288, pool_features=64, rngs=rngs)
+        self.Mixed_6a = InceptionB(288, rngs=rngs)
+        self.Mixed_6b = InceptionC(768, channels_7x7=128, rngs=rngs)
+        self.Mixed_6c = InceptionC(768, channels_7x7=160, rngs=rngs)
+        self.Mixed_6d = InceptionC(768, channels_7x7=160, rngs=rngs)
+        self.Mixed_6e = InceptionC(768, channels_7x7=192, rngs=rngs)
+        self.Mixed_7a = InceptionD(768, rngs=rngs)
+        self.Mixed_7b = InceptionE(1280, pool="avg", rngs=rngs)
+        self.Mixed_7c = InceptionE(2048, pool="max", rngs=rngs)
+        self.fc = nnx.Linear(2048, 1008, rngs=rngs)
+
+    def __call__(self, images):
+        if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != jnp.uint8:
+            raise ValueError(f"InceptionV3 expects uint8 RGB images of shape (B, H, W, 3), got {images.dtype} "
+                             f"{tuple(images.shape)}; convert floats in [0, 1] with (x * 255).round().astype(uint8)")
+        # pytorch-fid: uint8 / 255, bilinear resize to 299x299, then [0, 1] -> [-1, 1], in that order.
+        x = resize_bilinear(images.astype(jnp.float32) / 255, 299, 299)  # (B, 299, 299, 3)
+        x = 2 * x - 1
+        x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))  # (B, 147, 147, 64)
+        x = max_pool_3x3(x, 2)  # (B, 73, 73, 64)
+        x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))  # (B, 71, 71, 192)
+        x = max_pool_3x3(x, 2)  # (B, 35, 35, 192)
+        x = self.Mixed_5d(self.Mixed_5c(self.Mixed_5b(x)))  # (B, 35, 35, 288)
+        x = self.Mixed_6a(x)  # (B, 17, 17, 768)
+        x = self.Mixed_6e(self.Mixed_6d(self.Mixed_6c(self.Mixed_6b(x))))  # (B, 17, 17, 768)
+        x = self.Mixed_7a(x)  # (B, 8, 8, 1280)
+        x = self.Mixed_7c(self.Mixed_7b(x))  # (B, 8, 8, 2048)
+        pool = x.mean(axis=(1, 2))  # (B, 2048): pytorch-fid's "pool3" features
+        return pool, self.fc(pool)  # (B, 2048), (B, 1008)
+
+
+#################################################################################
+#               Weights: pytorch-fid's file -> converted and cached              #
+#################################################################################
+
+FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
+                   "pt_inception-2015-12-05-6726825d.pth")
+FID_WEIGHTS_NAME = os.path.basename(FID_WEIGHTS_URL)
+FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
+
+
+def default_cache_dir():
+    return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _download_weights(dest):
+    """Fetch pytorch-fid's weights into `dest`, checking the sha256 before the file takes its final name."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    partial = dest + ".part"
+    try:
+        with urllib.request.urlopen(FID_WEIGHTS_URL, timeout=30) as response, open(partial, "wb") as f:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {FID_WEIGHTS_NAME}") as bar:
+                for chunk in iter(lambda: response.read(1 << 20), b""):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    except OSError as e:
+        raise RuntimeError(f"could not download the FID Inception weights from {FID_WEIGHTS_URL} ({e}). "
+                           f"Download that file by hand and pass it with --weights PATH (or put it at {dest})") from None
+    if _sha256(partial) != FID_WEIGHTS_SHA256:
+        os.remove(partial)
+        raise RuntimeError(f"the download from {FID_WEIGHTS_URL} has the wrong sha256 (damaged in transit?); try again")
+    os.replace(partial, dest)
+
+
+def _convert_torch_weights(state_dict):
+    """pytorch-fid's state dict -> {"Mixed_5b/branch1x1/conv/kernel": array, ...} in the NNX model's layout."""
+    params = {}
+    for key, value in state_dict.items():
+        *module, name = key.split(".")
+        if name == "num_batches_tracked":  # BatchNorm's training counter, unused at inference
+            continue
+        if value.ndim == 4:  # convolution (out, in, kh, kw) -> (kh, kw, in, out)
+            name, value = "kernel", value.transpose(2, 3, 1, 0)
+        elif value.ndim == 2:  # fc (out, in) -> (in, out)
+            name, value = "kernel", value.T
+        else:  # BatchNorm gamma, beta, running statistics; fc bias
+            name = {"weight": "scale", "running_mean": "mean", "running_var": "var"}.get(name, name)
+        params["/".join([*module, name])] = np.ascontiguousarray(value, np.float32)
+    return params
+
+
+def _build_inception(params, source):
+    """An InceptionV3 holding `params`, after checking that they are exactly the ones it needs."""
+    abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))  # shapes only, nothing initialised
+    graphdef, state = nnx.split(abstract)
+    expected = {"/".join(map(str, path)): var.value.shape for path, var in nnx.to_flat_state(state)}
+    missing = sorted(set(expected) - set(params))
+    unexpected = sorted(set(params) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(params) if params[k].shape != expected[k])
+    if missing or unexpected or wrong:
+        def show(keys):
+            return ", ".join(k.replace("/", ".") for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        problems = [f"{label}: {show(keys)}" for label, keys in
+                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+        raise ValueError(f"{source}: not pytorch-fid's FID Inception weights ({'; '.join(problems)}). "
+                         f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
+    nested = {}
+    for key, value in params.items():
+        *parents, leaf = key.split("/")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = jnp.asarray(value)
+    state.replace_by_pure_dict(nested)
+    return nnx.merge(graphdef, state)
+
+
+def load_inception(path=None, cache_dir=None):
+    """The FID InceptionV3 with pytorch-fid's weights, read from `path` (its legacy-format .pth file).
+
+    Without a path the file is looked for in the cache directory ($DIT_CACHE or ~/.cache/dit-jax) and
+    downloaded there when missing. A file under the official name must have the official sha256; another
+    file (e.g. the random-weight test fixture) is accepted with a warning that its numbers are not comparable
+    with published ones. The converted parameters are cached as an .npz named by the file's hash.
+    """
+    cache_dir = cache_dir or default_cache_dir()
+    if path is None:
+        path = os.path.join(cache_dir, FID_WEIGHTS_NAME)
+        if not os.path.exists(path):
+            _download_weights(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's {FID_WEIGHTS_NAME} "
+                                f"(from {FID_WEIGHTS_URL}) or leave the path out to download it")
+    digest = _sha256(path)
+    if digest != FID_WEIGHTS_SHA256:
+        if os.path.basename(path) == FID_WEIGHTS_NAME:
+            raise ValueError(f"{path}: sha256 {digest} differs from the official {FID_WEIGHTS_SHA256}; the file is "
+                             f"damaged or incomplete. Delete it and run again to download it afresh")
+        warnings.warn(f"{path} is not pytorch-fid's official Inception weights (sha256 {digest[:12]}...): FID and "
+                      f"Inception Score computed with it are not comparable with published numbers")
+    converted = os.path.join(cache_dir, f"inception-{digest[:16]}.npz")
+    if os.path.exists(converted):
+        with np.load(converted) as f:
+            params = dict(f)
+    else:
+        params = _convert_torch_weights(load_torch(path))
+        try:  # write then rename, so that an interrupted run never leaves half a cache file
+            os.makedirs(cache_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
+                np.savez(f, **params)
+            os.replace(f.name, converted)
+        except OSError as e:
+            warnings.warn(f"could not cache the converted Inception weights in {cache_dir} ({e}); "
+                          f"they will be converted again next time")
+    return _build_inception(params, path)
+
+
+#################################################################################
+#               Statistics, Frechet distance and Inception Score                #
+#################################################################################
+
+class FeatureStats:
+    """Running mean and covariance of feature vectors in float64, without keeping the features.
+
+    Batches are merged with the pairwise update of Chan, Golub & LeVeque (1979): each batch's own mean
+    and centred scatter matrix are combined with the running ones, which stays accurate where the naive
+    sum of x x^T minus N mu mu^T would cancel. The covariance is np.cov's (divided by N - 1).
+    """
+
+    def __init__(self, dim):
+        self.count = 0
+        self.mean = np.zeros(dim)  # (D,)
+        self.scatter = np.zeros((dim, dim))  # (D, D): sum of (x - mean)(x - mean)^T
+
+    def merge(self, count, mean, scatter):
+        if count == 0:
+            return
+        total = self.count + count
+        delta = mean - self.mean
+        self.scatter += scatter + np.outer(delta, delta) * (self.count * count / total)
+        self.mean += delta * (count / total)
+        self.count = total
+
+    def update(self, features):
+        """Add a batch of features (B, D)."""
+        features = np.asarray(features, np.float64)
+        mean = features.mean(axis=0)
+        centred = features - mean
+        self.merge(len(features), mean, centred.T @ centred)
+
+    def mu_sigma(self):
+        """(mu (D,), sigma (D, D)); warns when too few samples give a singular covariance."""
+        if self.count < 2:
+            raise ValueError(f"a covariance needs at least 2 images, got {self.count}")
+        dim = len(self.mean)
+        if self.count <= dim:
+            warnings.warn(f"only {self.count} images for {dim}-d features: the covariance has rank at most "
+                          f"{self.count - 1} < {dim}, so it is singular and FID comes out biased upwards and not "
+                          f"comparable with others'. Use more than {dim} images (FID-10K uses 10,000)")
+        return self.mean.copy(), self.scatter / (self.count - 1)
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
+    """||mu1 - mu2||^2 + Tr(sigma1 + sigma2 - 2 sqrt(sigma1 sigma2)), as pytorch-fid computes it.
+
+    The Frechet (2-Wasserstein) distance between two Gaussians (Dowson & Landau 1982). When the matrix square
+    root is not finite (a singular product), eps is added to both diagonals; a complex root whose
+    diagonal has a non-negligible imaginary part means the inputs are not valid covariances.
+    """
+    mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
+    sigma1, sigma2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
+    if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != mu1.shape * 2:
+        raise ValueError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma {sigma1.shape} vs "
+                         f"{sigma2.shape}; both must come from the same features (2048-d pool3 for FID)")
+    diff = mu1 - mu2
+    covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
+    if not np.isfinite(covmean).all():
+        print(f"fid calculation produces singular product; adding {eps} to diagonal of cov estimates")
+        offset = np.eye(len(mu1)) * eps
+        covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
+    if np.iscomplexobj(covmean):
+        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
+            raise ValueError(f"imaginary component {np.max(np.abs(covmean.imag))} in sqrt(sigma1 sigma2): "
+                             f"the statistics are not valid covariance matrices")
+        covmean = covmean.real
+    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
+
+
+def inception_score(logits, splits=10):
+    """(mean, std) over `splits` equal parts of exp(E_x KL(p(y|x) || p(y))) (Salimans et al. 2016).
+
+    p(y|x) is the softmax of the 1008 logits, as in the original TF code; p(y) is the mean over each part.
+    """
+    logits = np.asarray(logits, np.float64)
+    if len(logits) < splits:
+        raise ValueError(f"Inception Score with {splits} splits needs at least {splits} images, got {len(logits)}")
+    log_p = logits - scipy.special.logsumexp(logits, axis=1, keepdims=True)  # (N, 1008): log p(y|x)
+    scores = []
+    for part in np.array_split(log_p, splits):
+        log_marginal = np.log(np.exp(part).mean(axis=0))  # (1008,): log p(y) over this part
+        kl = (np.exp(part) * (part - log_marginal)).sum(axis=1)  # (n,)
+        scores.append(np.exp(kl.mean()))
+    return float(np.mean(scores)), float(np.std(scores))
+
+
+def save_statistics(path, mu, sigma):
+    """Write FID statistics as pytorch-fid does: an .npz with `mu` (D,) and `sigma` (D, D)."""
+    np.savez(path, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64))
+
+
+def load_statistics(path):
+    """(mu, sigma) from a pytorch-fid .npz or an OpenAI reference batch (which keeps `arr_0` beside them)."""
+    with np.load(path) as f:
+        if "mu" not in f or "sigma" not in f:
+            raise ValueError(f"{path} holds {sorted(f.files)}, not FID statistics (`mu` and `sigma`); for an .npz "
+                             f"of images (`arr_0`) compute them with `python fid.py stats {path} OUT.npz`")
+        mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
+    if mu.ndim != 1 or sigma.shape != mu.shape * 2:
+        raise ValueError(f"{path}: mu {mu.shape} and sigma {sigma.shape} are not a (D,) mean and (D, D) covariance")
+    return mu, sigma
+
+
+#################################################################################
+#           Feature extraction over all devices and hosts, image sources        #
+#################################################################################
+
+def _allgather(x):
+    """Stack a numpy array from every process: (P, *x.shape). Float64 travels as raw bits, so it stays exact
+    even though JAX (without x64) would round it to float32."""
+    x = np.ascontiguousarray(x)
+    if jax.process_count() == 1:
+        return x[None]
+    bits = multihost_utils.process_allgather(x.view(np.uint32) if x.dtype == np.float64 else x)
+    return np.asarray(bits).view(x.dtype)
+
+
+class InceptionFeatures:
+    """Streams uint8 images through the InceptionV3: pool3 statistics in float64 and all logits.
+
+    Each call to `update` runs jit-compiled batches sharded over every device (a 1-D mesh), the last
+    batch padded and the padding dropped. Under `jax.distributed` every process passes its own images
+    and calls `update` the same number of times (it is a collective); `result` combines all processes.
+    """
+
+    def __init__(self, inception, batch_size=128, progress=True):
+        self.mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+        self.per_device = batch_size
+        graphdef, state = nnx.split(inception)
+        self.state = jax.device_put(state, NamedSharding(self.mesh, P()))  # weights replicated on every device
+        self.forward = jax.jit(lambda state, images: nnx.merge(graphdef, state)(images))
+        self.stats = FeatureStats(2048)
+        self.logits = []  # this process's (n, 1008) blocks
+        self.image_shape = None
+        self.progress = progress and jax.process_index() == 0
+
+    def _to_host(self, outputs, valid):
+        pool, logits = multihost_utils.global_array_to_host_local_array(outputs, self.mesh, P("batch"))
+        self.stats.update(np.asarray(pool)[:valid])
+        self.logits.append(np.asarray(logits)[:valid])
+
+    def update(self, images, bar=None):
+        """Add this process's images: uint8 (N, H, W, 3), N may be 0; all calls must share H and W."""
+        images = np.asarray(images)
+        if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
+            raise ValueError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} {images.shape}; "
+                             f"convert floats in [0, 1] with (x * 255).round().clip(0, 255).astype(np.uint8)")
+        # Every process must run the same number of steps on the same shapes, so agree on both first.
+        counts = _allgather(np.array([len(images), *images.shape[1:3]], np.int64))  # (P, 3)
+        shapes = {tuple(c[1:]) for c in counts if c[0] > 0} | ({self.image_shape} if self.image_shape else set())
+        if len(shapes) > 1:
+            raise ValueError(f"images of different sizes {sorted(shapes)}: FID needs images of one size; "
+                             f"resize or crop them all to the same height and width first")
+        if not shapes:
+            return
+        self.image_shape = shapes.pop()
+        local_devices = jax.local_device_count()
+        # A batch no larger than needed (small evaluations do not compute padding), a multiple of the devices.
+        batch = min(self.per_device, -(-counts[:, 0].max() // local_devices)) * local_devices
+        steps = -(-counts[:, 0].max() // batch)
+        pending = None
+        for step in range(steps):
+            chunk = images[step * batch:(step + 1) * batch]
+            padded = np.zeros((batch, *self.image_shape, 3), np.uint8)  # (batch, H, W, 3)
+            padded[:len(chunk)] = chunk
+            inputs = multihost_utils.host_local_array_to_global_array(padded, self.mesh, P("batch"))
+            outputs = self.forward(self.state, inputs)  # dispatched asynchronously ...
+            if pending is not None:
+                self._to_host(*pending)  # ... so the host works on the previous batch meanwhile
+            pending = (outputs, len(chunk))
+            if bar is not None:
+                bar.update(len(chunk))
+        self._to_host(*pending)
+
+    def result(self):
+        """{"mu", "sigma", "count", "logits"} over the images of all processes."""
+        stats = FeatureStats(2048)
+        gathered = _allgather(np.concatenate([[self.stats.count], self.stats.mean, self.stats.scatter.ravel()]))
+        for row in gathered:  # (1 + D + D*D,) per process
+            stats.merge(int(row[0]), row[1:2049], row[2049:].reshape(2048, 2048))
+        logits = np.concatenate(self.logits) if self.logits else np.zeros((0, 1008), np.float32)
+        if jax.process_count() > 1:  # pad to a common length to gather, then drop the padding
+            counts = _allgather(np.array([len(logits)]))[:, 0]
+            padded = np.zeros((counts.max(), 1008), np.float32)
+            padded[:len(logits)] = logits
+            logits = np.concatenate([rows[:n] for rows, n in zip(_allgather(padded), counts)])
+        mu, sigma = stats.mu_sigma()
+        return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits}
+
+
+IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
+
+
+class ImageFolder:
+    """The image files under a folder (recursively, sorted) as a sequence: folder[i:j] -> uint8 (n, H, W, 3).
+
+    Files are decoded on a few threads (PIL releases the GIL); grayscale and RGBA become RGB as in pytorch-fid.
+    """
+
+    def __init__(self, root):
+        self.paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+                            if f.lower().endswith(IMAGE_EXTENSIONS))
+        if not self.paths:
+            raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
+        self.shape = self._read(self.paths[0]).shape
+        self.pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
+
+    @staticmethod
+    def _read(path):
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+
+    def _read_checked(self, path):
+        image = self._read(path)
+        if image.shape != self.shape:
+            raise ValueError(f"{path} is {image.shape[1]}x{image.shape[0]} but {self.paths[0]} is "
+                             f"{self.shape[1]}x{self.shape[0]}: FID needs images of one size; resize or crop them")
+        return image
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        paths = self.paths[index]
+        return np.stack(list(self.pool.map(self._read_checked, paths))) if paths else np.zeros((0, *self.shape), np.uint8)
+
+
+def load_images(source):
+    """A folder of images or an .npz of uint8 images (`arr_0`, as DiT's sample_ddp.py writes) -> a sequence."""
+    if os.path.isdir(source):
+        return ImageFolder(source)
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"{source}: no such folder or file")
+    if not source.endswith(".npz"):
+        raise ValueError(f"{source}: expected a folder of images or an .npz with the images in `arr_0`")
+    with np.load(source) as f:
+        if "arr_0" not in f:
+            raise ValueError(f"{source} holds {sorted(f.files)}, no images (`arr_0`, uint8 (N, H, W, 3))")
+        return f["arr_0"]
+
+
+def image_statistics(images, inception, batch_size=128, progress=True):
+    """{"mu", "sigma", "count", "logits"} of a sequence of uint8 images (an array or an ImageFolder).
+
+    Under `jax.distributed` each process reads every process_count-th image, so together they cover it once.
+    """
+    rank, world = jax.process_index(), jax.process_count()
+    mine = range(rank, len(images), world)
+    features = InceptionFeatures(inception, batch_size, progress)
+    chunk = 8 * batch_size * jax.local_device_count()  # images loaded into host memory at a time
+    # Every process makes the same number of update calls, even one whose share is shorter.
+    calls = -(-(-(-len(images) // world)) // chunk)
+    with tqdm(total=len(images), unit="img", desc="Inception", disable=not features.progress) as bar:
+        for i in range(calls):
+            indices = mine[i * chunk:(i + 1) * chunk]
+            batch = images[indices.start:indices.stop:world] if len(indices) else images[:0]
+            features.update(batch, bar)
+            bar.update((len(indices) * world) - len(indices))  # the other processes' share, for the total
+    return features.result()

@@ -1,0 +1,325 @@
+"""Turn the Kaggle ImageNet-100 download (or any class-folder tree) into what `dit.py --dataset imagenet100`
+trains on: Stable Diffusion VAE latents of every centre-cropped image and of its mirror image, labels, class
+names, FID reference statistics and a manifest.
+
+    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-256                 # train split, 256x256
+    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-256 --split val     # into ~/data/in100-256/val
+    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-px64 --pixels 64    # uint8 pixels, no VAE
+
+Output (in OUT, or OUT/val for --split val):
+    latents.npy     float16 (N, 2, h, w, 2C): axis 1 = [image, horizontal flip], last axis = [posterior mean,
+                    posterior std] in the raw VAE latent space, so that the trainer can draw
+                    z = (mean + std * eps) * scaling_factor afresh at every step, as DiT's train.py does
+    images.npy      instead of latents.npy with --pixels R: uint8 (N, R, R, 3)
+    labels.npy      int64 (N,)
+    classes.json    [{"wnid": ..., "name": ...}] in label order (sorted wnids, names from Labels.json)
+    fid_stats.npz   mu, sigma of the Inception features of the cropped images (unless --no-fid)
+    manifest.json   settings, counts, skipped files and why, warnings, finished chunks, timing
+
+The work is done in chunks; an interrupted run started again with the same arguments skips the chunks that
+the manifest lists as finished.
+"""
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from PIL import Image
+from tqdm import tqdm
+
+import fid
+from vae_section import center_crop_arr, load_vae
+
+EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
+EXPECTED_CLASSES = 100
+
+
+#################################################################################
+#                           Finding and reading images                          #
+#################################################################################
+
+def find_images(src, split, classes=None):
+    """List the images of a split. The Kaggle layout keeps the training classes in train.X1 ... train.X4 and
+    validation in val.X; without train.X* folders `src` itself is taken as the class-folder tree. `classes`
+    (wnids in label order) pins the labels, so that val uses train's. Returns (classes, files, labels,
+    warnings), files relative to `src` and sorted, which fixes the order chunks are cut in."""
+    if split == "val":
+        roots = ["val.X"]
+        if not os.path.isdir(os.path.join(src, "val.X")):
+            raise FileNotFoundError(f"{src} has no val.X folder; --split val needs the Kaggle layout")
+    else:
+        roots = sorted(d for d in os.listdir(src) if d.startswith("train.X") and os.path.isdir(os.path.join(src, d)))
+        roots = roots or ["."]
+    class_dirs = {}  # wnid -> folders holding it (the Kaggle split puts each class in one train.X*)
+    for root in roots:
+        for d in sorted(os.listdir(os.path.join(src, root))):
+            if os.path.isdir(os.path.join(src, root, d)) and not d.startswith("."):
+                class_dirs.setdefault(d, []).append(os.path.normpath(os.path.join(root, d)))
+    if not class_dirs:
+        raise FileNotFoundError(f"no class folders under {[os.path.join(src, r) for r in roots]}; expected the Kaggle "
+                                f"layout (train.X1..train.X4, val.X) or one folder per class")
+    if classes is None:
+        classes = sorted(class_dirs)
+    elif set(class_dirs) - set(classes):
+        extra = sorted(set(class_dirs) - set(classes))
+        raise ValueError(f"{split} has class folders that the training split lacks: {extra}")
+    warnings, files, labels = [], [], []
+    for label, wnid in enumerate(classes):
+        names = [os.path.join(d, f) for d in class_dirs.get(wnid, [])
+                 for f in sorted(os.listdir(os.path.join(src, d))) if not f.startswith(".")]
+        if not names:
+            warnings.append(f"class {wnid} has no images in the {split} split")
+        files += names
+        labels += [label] * len(names)
+    expected = EXPECTED_IMAGES[split]
+    if abs(len(files) - expected) > 0.01 * expected or len(classes) != EXPECTED_CLASSES:
+        warnings.append(f"found {len(files)} files in {len(classes)} classes; the Kaggle ImageNet-100 {split} split "
+                        f"has {expected} images in {EXPECTED_CLASSES} classes (expected if this is a custom tree, "
+                        f"otherwise the download is incomplete)")
+    return classes, files, np.asarray(labels, np.int64), warnings
+
+
+def load_image(path, size):
+    """Decode any file PIL understands (the format is read from the content, so a PNG named .JPEG works),
+    convert to RGB and centre-crop. Returns (uint8 (size, size, 3), None) or (None, reason) for a broken file."""
+    try:
+        with Image.open(path) as img:
+            img.load()  # decode now: a truncated file fails here, not halfway through the crop
+            return center_crop_arr(img, size), None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def decoded_chunks(pool, src, files, chunks, size):
+    """Yield (chunk, images (n, size, size, 3), reasons) in order, decoding the next chunk in the thread
+    pool while the caller encodes the current one."""
+    pending = None
+    for c, (lo, hi) in chunks:
+        futures = [pool.submit(load_image, os.path.join(src, f), size) for f in files[lo:hi]]
+        if pending is not None:
+            yield collect(*pending, size)
+        pending = (c, futures)
+    if pending is not None:
+        yield collect(*pending, size)
+
+
+def collect(c, futures, size):
+    images = np.zeros((len(futures), size, size, 3), np.uint8)
+    reasons = {}
+    for j, fut in enumerate(futures):
+        arr, reason = fut.result()
+        if reason is None:
+            images[j] = arr
+        else:
+            reasons[j] = reason
+    return c, images, reasons
+
+
+#################################################################################
+#                         Sharded encoding and features                         #
+#################################################################################
+
+def sharded_apply(model, fn, batch_shape, mesh):
+    """Compile fn(model, images) now for uint8 images of batch_shape, the batch split over the mesh's devices
+    and the model replicated. The returned run(images) pads a shorter batch to that shape and returns
+    (device array, number of real rows): the padding's rows are to be dropped."""
+    replicated, data = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, replicated)
+    compiled = jax.jit(lambda state, x: fn(nnx.merge(graphdef, state), x), out_shardings=data).lower(
+        state, jax.ShapeDtypeStruct(batch_shape, np.uint8, sharding=data)).compile()
+
+    def run(images):  # (n <= B, R, R, 3)
+        padded = np.zeros(batch_shape, np.uint8)
+        padded[:len(images)] = images
+        return compiled(state, jax.device_put(padded, data)), len(images)
+    return run
+
+
+def encode_with_flip(vae, images):
+    """uint8 (B, R, R, 3) -> float16 (B, 2, h, w, 2C): [image, horizontal flip] x [posterior mean, std]."""
+    x = images.astype(jnp.float32) / 127.5 - 1.0  # DiT's Normalize(0.5, 0.5) after ToTensor's /255
+    x = jnp.stack([x, x[:, :, ::-1]], axis=1)  # (B, 2, R, R, 3), flipped along W
+    mean, logvar = vae.encode(x.reshape(-1, *x.shape[2:]))  # (2B, h, w, C) each
+    out = jnp.concatenate([mean, jnp.exp(0.5 * logvar)], axis=-1)  # (2B, h, w, 2C)
+    return out.reshape(*x.shape[:2], *out.shape[1:]).astype(jnp.float16)
+
+
+#################################################################################
+#                                   Main loop                                   #
+#################################################################################
+
+def write_json(path, obj):
+    """Write atomically: a crash leaves either the old or the new file, never half of one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="Kaggle ImageNet-100 folder (train.X1..X4, val.X, Labels.json) or class-folder tree")
+    p.add_argument("out", help="output folder (the val split goes into OUT/val)")
+    p.add_argument("--split", choices=["train", "val"], default="train")
+    p.add_argument("--resolution", type=int, default=256, help="centre-crop size the VAE encodes")
+    p.add_argument("--pixels", type=int, metavar="R", help="store uint8 R x R images instead of latents (no VAE)")
+    p.add_argument("--vae", default="ema", help="'ema', 'mse', a diffusers VAE folder or a weight file")
+    p.add_argument("--batch-size", type=int, default=64, help="global encoding batch (a multiple of the device count)")
+    p.add_argument("--chunk-size", type=int, default=2048, help="images per resumable chunk")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="image-decoding threads")
+    p.add_argument("--no-fid", action="store_true", help="skip the FID reference statistics")
+    p.add_argument("--inception", help="pytorch-fid Inception weights (default: fid.py's cache/download)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    src, out = os.path.abspath(args.src), os.path.join(args.out, "val") if args.split == "val" else args.out
+    size = args.pixels or args.resolution
+    if size <= 0 or args.batch_size <= 0 or args.chunk_size <= 0:
+        raise SystemExit("--resolution/--pixels, --batch-size and --chunk-size must be positive")
+    os.makedirs(out, exist_ok=True)
+    manifest_path = os.path.join(out, "manifest.json")
+    manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else None
+    if manifest and manifest.get("complete"):
+        print(f"{out} is already complete ({manifest['counts']['images']} images); delete it to prepare again")
+        return manifest
+
+    # val keeps train's labels when train was prepared first into the same OUT
+    train_classes, labels_json = os.path.join(args.out, "classes.json"), os.path.join(src, "Labels.json")
+    pinned = None
+    if args.split == "val" and os.path.exists(train_classes):
+        pinned = [c["wnid"] for c in json.load(open(train_classes))]
+    classes, files, labels, warnings = find_images(src, args.split, pinned)
+    names = json.load(open(labels_json)) if os.path.exists(labels_json) else {}
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+
+    devices = jax.local_devices()
+    batch = -(-args.batch_size // len(devices)) * len(devices)
+    mesh = Mesh(np.array(devices), ("data",))
+    scaling_factor, vae = None, None
+    if args.pixels:
+        row_shape, dtype, name = (size, size, 3), np.uint8, "images"
+    else:
+        vae = load_vae(args.vae)
+        f = 2 ** (len(vae.cfg.block_out_channels) - 1)
+        if size % f:
+            raise SystemExit(f"--resolution {size} is not a multiple of the VAE's downsampling factor {f}")
+        row_shape, dtype, name = (2, size // f, size // f, 2 * vae.cfg.latent_channels), np.float16, "latents"
+        scaling_factor = vae.cfg.scaling_factor
+    settings = {"split": args.split, "source": src, "resolution": size, "pixels": bool(args.pixels),
+                "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size, "fid": not args.no_fid,
+                "files": len(files), "files_sha1": hashlib.sha1("\n".join(files).encode()).hexdigest()}
+    if manifest and manifest["settings"] != settings:
+        diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items() if manifest["settings"].get(k) != v}
+        raise SystemExit(f"{out} holds an unfinished run with other settings {diff} (old, new); rerun with the old "
+                         f"arguments to resume, or delete {out} to start over")
+    n_chunks = -(-len(files) // args.chunk_size)
+    manifest = manifest or {"settings": settings, "chunks_done": {}, "seconds": 0.0}
+    manifest.update(classes=len(classes), warnings=warnings, complete=False)
+
+    # rows for every file; broken files leave rows that the final copy drops
+    partial = os.path.join(out, f"{name}.partial.npy")
+    feats_path = os.path.join(out, "inception.partial.npy")
+    mode = "r+" if manifest["chunks_done"] else "w+"
+    rows = np.lib.format.open_memmap(partial, mode, dtype, (len(files), *row_shape))
+    t0, feats, features, encode = time.perf_counter(), None, None, None
+    if not args.no_fid:
+        inception = fid.load_inception(args.inception)
+        features = sharded_apply(inception, lambda net, x: net(x)[0], (batch, size, size, 3), mesh)
+        feats = np.lib.format.open_memmap(feats_path, mode, np.float32, (len(files), 2048))
+    if not args.pixels:
+        encode = sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh)
+    compile_s = time.perf_counter() - t0
+
+    todo = [(c, (c * args.chunk_size, min((c + 1) * args.chunk_size, len(files))))
+            for c in range(n_chunks) if str(c) not in manifest["chunks_done"]]
+    done_files = len(files) - sum(hi - lo for _, (lo, hi) in todo)
+    bar = tqdm(total=len(files), initial=done_files, unit="img", desc=f"{args.split} {name}", smoothing=0.1)
+    t0, processed, seconds_before = time.perf_counter(), 0, manifest["seconds"]
+    pool = concurrent.futures.ThreadPoolExecutor(args.workers)
+    try:
+        for c, images, reasons in decoded_chunks(pool, src, files, todo, size):
+            lo = c * args.chunk_size
+            for b in range(0, len(images), batch):
+                part = images[b:b + batch]
+                if encode is None:
+                    rows[lo + b:lo + b + len(part)] = part
+                else:
+                    enc, n = encode(part)
+                    rows[lo + b:lo + b + n] = np.asarray(enc)[:n]
+                if feats is not None:
+                    pool3, n = features(part)
+                    feats[lo + b:lo + b + n] = np.asarray(pool3)[:n]
+                bar.update(len(part))
+            rows.flush()
+            if feats is not None:
+                feats.flush()
+            skipped = {files[lo + j]: why for j, why in reasons.items()}
+            for file, why in skipped.items():
+                tqdm.write(f"skipped {file}: {why}", file=sys.stderr)
+            processed += len(images)
+            manifest["chunks_done"][str(c)] = skipped
+            manifest["seconds"] = seconds_before + time.perf_counter() - t0
+            write_json(manifest_path, manifest)
+    finally:  # on an interruption, do not wait for the decoding queued ahead
+        pool.shutdown(cancel_futures=True)
+    bar.close()
+    run_s = time.perf_counter() - t0
+
+    # final arrays without the broken files
+    skipped = {file: why for chunk in manifest["chunks_done"].values() for file, why in chunk.items()}
+    keep = np.array([f not in skipped for f in files])
+    if not keep.any():
+        raise SystemExit(f"none of the {len(files)} files under {src} could be read")
+    final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", dtype, (int(keep.sum()), *row_shape))
+    kept = np.flatnonzero(keep)
+    for i in range(0, len(kept), 4096):
+        final[i:i + 4096] = rows[kept[i:i + 4096]]
+    final.flush()
+    np.save(os.path.join(out, "labels.npy"), labels[keep])
+    write_json(os.path.join(out, "classes.json"), [{"wnid": w, "name": names.get(w, w)} for w in classes])
+    if feats is not None:
+        acc = fid.FeatureStats()
+        for i in range(0, len(kept), 4096):
+            acc.update(np.asarray(feats[kept[i:i + 4096]]))
+        mu, sigma = acc.finalize()
+        fid.save_statistics(os.path.join(out, "fid_stats.npz"), mu, sigma)
+
+    counts = np.bincount(labels[keep], minlength=len(classes))
+    manifest.update(
+        complete=True, resolution=size, vae=settings["vae"], scaling_factor=scaling_factor, shape=list(final.shape),
+        dtype=np.dtype(dtype).name, file=f"{name}.npy",
+        counts={"files": len(files), "images": int(keep.sum()), "skipped": len(skipped), "classes": len(classes),
+                "per_class_min": int(counts.min()), "per_class_max": int(counts.max())},
+        skipped=[{"file": file, "reason": why} for file, why in sorted(skipped.items())],
+        timing={"compile_s": round(compile_s, 2), "last_run_s": round(run_s, 2),
+                "total_s": round(manifest["seconds"], 2),
+                "last_run_images_per_s": round(processed / run_s, 2) if processed else None, "devices": len(devices),
+                "device": devices[0].device_kind})
+    write_json(manifest_path, manifest)
+    steps = "decode + crop" + (" + copy" if args.pixels else " + VAE encode") + ("" if args.no_fid else " + Inception")
+    del rows, feats, final
+    for p in (partial, feats_path):
+        if os.path.exists(p):
+            os.remove(p)
+    for w in manifest["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"{manifest['counts']['images']} images in {len(classes)} classes -> {out} ({len(skipped)} skipped)")
+    if processed:
+        print(f"speed: {processed / run_s:.1f} images/s ({steps}) on {len(devices)} x {devices[0].device_kind}, "
+              f"after {compile_s:.1f} s of compilation")
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

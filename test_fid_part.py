@@ -1,0 +1,246 @@
+"""Tests of fid.py: the restricted torch reader, the FID InceptionV3 against pytorch-fid, FID and IS."""
+
+import io
+import json
+import pickle
+import struct
+import zipfile
+
+import numpy as np
+
+import fid
+
+import os, pytest
+HERE = os.path.dirname(os.path.abspath(__file__))
+def fixture(name):
+    """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/; skip if in neither."""
+    for d in (os.environ.get("DIT_FIXTURES"), os.path.join(HERE, "fixtures")):
+        if d and os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    pytest.skip(f"reference file {name!r} is in neither $DIT_FIXTURES nor fixtures/")
+def data(name):
+    d = os.environ.get("DIT_DATA")
+    if not d or not os.path.exists(os.path.join(d, name)):
+        pytest.skip(f"{name!r} needs $DIT_DATA (the shared real-image folder)")
+    return os.path.join(d, name)
+
+
+#################################################################################
+#                    Hand-built torch.save files (no torch needed)              #
+#################################################################################
+
+class _Global:
+    """A global `module.name` in a hand-written pickle."""
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+
+
+class _Call:
+    """`func(*args)` in a hand-written pickle (REDUCE)."""
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+
+class _PersistentId:
+    def __init__(self, value):
+        self.value = value
+
+
+class _NewObj:
+    """`cls.__new__(cls)` then `__dict__.update(state)` (NEWOBJ + BUILD), as protocol 2 pickles plain objects."""
+    def __init__(self, cls, state):
+        self.cls, self.state = cls, state
+
+
+def _emit(x):
+    """Pickle opcodes for x, written out by hand so that any global can be named without importing it."""
+    if isinstance(x, _Global):
+        return b"c" + f"{x.module}\n{x.name}\n".encode()
+    if isinstance(x, _Call):
+        return _emit(x.func) + _emit(tuple(x.args)) + b"R"
+    if isinstance(x, _PersistentId):
+        return _emit(x.value) + b"Q"
+    if isinstance(x, _NewObj):
+        return _emit(x.cls) + b")" + b"\x81" + _emit(x.state) + b"b"
+    if isinstance(x, tuple):
+        return b"(" + b"".join(_emit(v) for v in x) + b"t"
+    if isinstance(x, list):
+        return b"](" + b"".join(_emit(v) for v in x) + b"e"
+    if isinstance(x, dict):
+        return b"}(" + b"".join(_emit(k) + _emit(v) for k, v in x.items()) + b"u"
+    return pickle.dumps(x, protocol=2)[2:-1]  # a scalar or string: pickle's own opcodes minus PROTO/STOP
+
+
+def _pickle(obj):
+    return b"\x80\x02" + _emit(obj) + b"."
+
+
+def _tensor(storage_name, key, numel, offset, size, stride):
+    """What torch writes for one tensor: _rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())."""
+    storage = _PersistentId(("storage", _Global("torch", storage_name), key, "cpu", numel))
+    hooks = _Call(_Global("collections", "OrderedDict"))
+    return _Call(_Global("torch._utils", "_rebuild_tensor_v2"), storage, offset, tuple(size), tuple(stride), False, hooks)
+
+
+def _write_zip(path, obj, storages):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("ckpt/data.pkl", _pickle(obj))
+        z.writestr("ckpt/byteorder", "little")
+        for key, raw in storages.items():
+            z.writestr(f"ckpt/data/{key}", raw)
+
+
+def _write_legacy(path, obj, storages, itemsizes):
+    with open(path, "wb") as f:
+        f.write(pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2))
+        f.write(pickle.dumps(1001, protocol=2))
+        f.write(pickle.dumps({"protocol_version": 1001, "little_endian": True,
+                              "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2))
+        f.write(_pickle(obj))
+        f.write(pickle.dumps(list(storages), protocol=2))
+        for key, raw in storages.items():
+            f.write(struct.pack("<q", len(raw) // itemsizes[key]) + raw)
+
+
+def _handbuilt_checkpoint():
+    """A DiT-style training checkpoint exercising offsets, strides, shared storages, bf16, int64, bool, Namespace."""
+    bf16_values = np.array([1.0, -2.5, 0.15625, 2.0 ** 100], np.float32)  # all exactly representable in bfloat16
+    storages = {
+        "0": np.arange(24, dtype=np.float32).tobytes(),
+        "1": (bf16_values.view(np.uint32) >> 16).astype("<u2").tobytes(),
+        "2": np.array([7], "<i8").tobytes(),
+        "3": np.array([True, False, True], np.bool_).tobytes(),
+    }
+    itemsizes = {"0": 4, "1": 2, "2": 8, "3": 1}
+    weight = _Call(_Global("torch._utils", "_rebuild_parameter"),
+                   _tensor("FloatStorage", "0", 24, 2, (3, 4), (1, 3)), True, _Call(_Global("collections", "OrderedDict")))
+    obj = {
+        "model": _Call(_Global("collections", "OrderedDict"), [
+            ("w", weight),                                                  # transposed view at offset 2
+            ("row", _tensor("FloatStorage", "0", 24, 20, (4,), (1,))),    # shares storage "0"
+            ("bf16", _tensor("BFloat16Storage", "1", 4, 0, (2, 2), (2, 1))),
+            ("mask", _tensor("BoolStorage", "3", 3, 0, (3,), (1,))),
+        ]),
+        "opt": {"state": {0: {"step": _tensor("LongStorage", "2", 1, 0, (), ())}},
+                "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": [0]}]},
+        "args": _NewObj(_Global("argparse", "Namespace"), {"model": "DiT-XL/2", "image_size": 256}),
+    }
+    expected = {  # name -> (values, dtype)
+        "w": (2 + np.arange(3)[:, None] + 3 * np.arange(4)[None, :], np.float32),  # offset + i*stride0 + j*stride1
+        "row": (np.arange(20, 24), np.float32),
+        "bf16": (bf16_values.reshape(2, 2), np.float32),  # bfloat16 comes back widened to float32
+        "mask": (np.array([True, False, True]), np.bool_),
+    }
+    return obj, storages, itemsizes, expected
+
+
+#################################################################################
+#                          Tests: restricted torch reader                       #
+#################################################################################
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_torch_handbuilt_checkpoint(tmp_path, fmt):
+    obj, storages, itemsizes, expected = _handbuilt_checkpoint()
+    path = str(tmp_path / "ckpt.pt")
+    _write_zip(path, obj, storages) if fmt == "zip" else _write_legacy(path, obj, storages, itemsizes)
+    ckpt = fid.load_torch(path)
+    for name, (want, dtype) in expected.items():
+        got = ckpt["model"][name]
+        assert got.shape == want.shape and got.dtype == dtype, name
+        np.testing.assert_array_equal(got, want)
+    step = ckpt["opt"]["state"][0]["step"]
+    assert step.shape == () and step.dtype == np.int64 and step == 7
+    assert ckpt["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert ckpt["args"].model == "DiT-XL/2" and ckpt["args"].image_size == 256
+
+
+def test_torch_zip_dit_reference():
+    sd = fid.load_torch(fixture("dit_reference.pt"))
+    config = json.loads(str(np.load(fixture("dit_reference.npz"))["config"]))
+    hidden, p, c = config["hidden_size"], config["patch_size"], config["in_channels"]
+    assert sd["x_embedder.proj.weight"].shape == (hidden, c, p, p)
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in sd.values())
+    # pos_embed is the fixed 2-D sin-cos table of the DiT paper (MAE's get_2d_sincos_pos_embed): first half of the
+    # channels encodes the column (w) index, second half the row (h) index, each as [sin(pos*omega), cos(pos*omega)].
+    grid = config["input_size"] // p
+    omega = 1.0 / 10000 ** (np.arange(hidden // 4) / (hidden / 4))
+    h, w = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    def enc(pos):
+        out = pos.reshape(-1)[:, None] * omega[None]
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+    want = np.concatenate([enc(w), enc(h)], axis=1)[None]
+    np.testing.assert_allclose(sd["pos_embed"], want, atol=1e-6)
+    # Every other weight was drawn from N(0, 0.05^2): a wrong dtype, offset or byte order would not look like that.
+    others = np.concatenate([v.ravel() for k, v in sd.items() if k != "pos_embed"])
+    assert others.size > 10000 and abs(others.std() - 0.05) < 0.002 and abs(others.mean()) < 0.002
+
+
+def test_torch_legacy_inception_keys():
+    sd = fid.load_torch(fixture("inception_fid_random.pth"))
+    keys = json.load(open(fixture("pt_inception_keys.json")))
+    assert set(sd) == set(keys) and len(keys) == 566
+    dtypes = {"FloatStorage": np.float32, "LongStorage": np.int64}
+    for name, info in keys.items():
+        assert list(sd[name].shape) == info["shape"], name
+        assert sd[name].dtype == dtypes[info["dtype"]], name
+    running_vars = [v for k, v in sd.items() if k.endswith("running_var")]
+    assert all(np.isfinite(v).all() and (v > 0).all() for v in running_vars)
+
+
+class _RunsShellCommand:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_torch_refuses_malicious_pickle(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsShellCommand(f"touch {marker}"), protocol=2)
+    with pytest.raises(fid.UnsafePickleError, match="system"):
+        fid.safe_unpickle(io.BytesIO(payload), {})
+    # The same call hidden in a state dict, in both torch file formats.
+    evil = {"weight": _Call(_Global("os", "system"), f"touch {marker}")}
+    _write_zip(str(tmp_path / "evil.pt"), evil, {})
+    _write_legacy(str(tmp_path / "evil.pth"), evil, {}, {})
+    for name in ("evil.pt", "evil.pth"):
+        with pytest.raises(fid.UnsafePickleError, match="os.system.*malicious"):
+            fid.load_torch(str(tmp_path / name))
+    # Allowing a harmless global does not open the door to others.
+    allowed = {("collections", "OrderedDict"): dict}
+    assert fid.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("collections", "OrderedDict")))), allowed) == {}
+    with pytest.raises(fid.UnsafePickleError):
+        fid.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("builtins", "eval"), "1"))), allowed)
+    assert not marker.exists()
+
+
+def test_torch_damaged_files_give_clear_errors(tmp_path):
+    obj, storages, itemsizes, _ = _handbuilt_checkpoint()
+    _write_zip(str(tmp_path / "good.pt"), obj, storages)
+    _write_legacy(str(tmp_path / "good.pth"), obj, storages, itemsizes)
+    cases = {"empty.pt": (b"", "empty"), "text.pt": (b"hello, not a checkpoint\n" * 10, "not a PyTorch file"),
+             "garbage.pt": (np.random.default_rng(0).bytes(1000), None)}
+    for name in ("good.pt", "good.pth"):
+        raw = (tmp_path / name).read_bytes()
+        cases["half_" + name] = (raw[: len(raw) // 2], None)
+        cases["short_" + name] = (raw[:-5], None)
+    # An archive that is not a torch file (e.g. an .npz) and one whose tensor data is shorter than declared.
+    np.savez(tmp_path / "arrays.npz", a=np.zeros(3))
+    cases["arrays.npz"] = ((tmp_path / "arrays.npz").read_bytes(), "data.pkl")
+    short = dict(storages, **{"0": storages["0"][:40]})
+    _write_zip(str(tmp_path / "short_storage.pt"), obj, short)
+    cases["short_storage.pt"] = ((tmp_path / "short_storage.pt").read_bytes(), "truncated")
+    for name, (raw, message) in cases.items():
+        path = tmp_path / ("case_" + name)
+        path.write_bytes(raw)
+        with pytest.raises(ValueError, match=message) as info:
+            fid.load_torch(str(path))
+        assert str(path) in str(info.value), name
+
+
+def test_torch_tensor_outside_its_storage_is_refused(tmp_path):
+    obj = {"w": _tensor("FloatStorage", "0", 4, 2, (3,), (1,))}  # elements 2, 3, 4 of a 4-element storage
+    _write_zip(str(tmp_path / "oob.pt"), obj, {"0": np.zeros(4, np.float32).tobytes()})
+    with pytest.raises(ValueError, match="reaches element 4"):
+        fid.load_torch(str(tmp_path / "oob.pt"))
