@@ -1267,7 +1267,7 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat):
     their shardings so that a model too large for one device is never whole on one."""
     def init():
         # Plain nested dicts of arrays: checkpoints then name each array by its path (blocks.0.attn...).
-        params = nnx.state(DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed)), nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed)), nnx.Param))
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
 
@@ -1445,7 +1445,7 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 
 def to_uint8(images):
     """Model-space images in [-1, 1] -> uint8, rounded as the official sample_ddp.py does."""
-    return np.asarray(jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8))
+    return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
 
 
 def save_grid(images, path, nrow=None):
@@ -1479,15 +1479,20 @@ class Sampler:
             return out
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
-        self.decode = None
-        if vae is not None:
-            vae_graphdef, vae_params = nnx.split(vae)
-            decode = lambda params, z: nnx.merge(vae_graphdef, params).decode(z / latent_scale)  # noqa: E731
-            self.decode = jax.jit(lambda z: decode(vae_params, z), in_shardings=batch, out_shardings=batch)
+        # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too, so
+        # that only bytes travel to the host.
+        self.vae = nnx.split(vae) if vae is not None else None
+
+        def finish(vae_params, x):
+            if vae_params is not None:
+                x = nnx.merge(self.vae[0], vae_params).decode(x / latent_scale)
+            return to_uint8(x)
+
+        self.finish = jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
 
     def images(self, x):
-        """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1)."""
-        return to_uint8(self.decode(x) if self.decode else x)
+        """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1) on this host."""
+        return to_host(self.finish(self.vae[1] if self.vae else None, x))
 
     def __call__(self, params, noise, y, key):
         """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with return_trajectory,
@@ -1579,7 +1584,6 @@ def check_run_dir(run_dir, settings):
 
 def train(args):
     """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one."""
-    setup_distributed(args)
     mesh = make_mesh()
     if args.batch_size % jax.device_count():
         raise SystemExit(f"--batch-size {args.batch_size} does not split over {jax.device_count()} devices; "
@@ -1743,7 +1747,6 @@ def bench(args):
 
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their scores."""
-    setup_distributed(args)
     mesh = make_mesh()
     model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
     objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"), obj.get("loc", 0.0),
@@ -1877,6 +1880,8 @@ def main(argv=None):
     if not argv or argv[0] not in ("train", "sample", "export", "bench", "-h", "--help"):
         argv = ["train", *argv]
     args = build_parser().parse_args(argv)
+    if args.command in ("train", "sample"):
+        setup_distributed(args)  # before anything else starts jax's backend
     if args.command == "sample":
         return sample_command(args)
     if args.command == "export":

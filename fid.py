@@ -7,12 +7,16 @@ Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to Py
 torch, through a restricted unpickler that is also used to read DiT checkpoints and other pickles.
 """
 
+import argparse
 import collections
+import concurrent.futures
+import functools
 import hashlib
 import os
 import pickle
 import struct
 import tempfile
+import time
 import types
 import urllib.request
 import warnings
@@ -23,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 import scipy.special
-from flax import nnx
+from flax import nnx, traverse_util
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from PIL import Image
 from tqdm import tqdm
 
 
@@ -67,7 +74,7 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     return _RestrictedUnpickler(fileobj, allowed, persistent_load, encoding).load()
 
 
-# Storage classes as torch names them in a pickle -> element type of their raw little-endian bytes.
+# Storage classes as torch names them in a pickle -> element type of their raw bytes.
 # bfloat16 has no numpy type; it is read as uint16 and widened to float32 (exact) in _storage_array.
 _TORCH_STORAGE_DTYPES = {
     "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
@@ -157,14 +164,16 @@ def _materialize(path, obj):
             raise ValueError(f"{path}: a tensor refers to a storage whose data is missing (truncated file?)")
         if any(s < 0 for s in obj.size) or any(s < 0 for s in obj.stride) or obj.offset < 0:
             raise ValueError(f"{path}: tensor with negative size, stride or offset")
+        if 0 in obj.size:
+            return np.zeros(obj.size, data.dtype)
         # The last element a strided view touches must lie inside the storage, or as_strided would read
         # arbitrary memory.
         last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
-        if 0 not in obj.size and last >= data.size:
+        if last >= data.size:
             raise ValueError(f"{path}: tensor of size {obj.size} reaches element {last} of a storage "
                              f"of {data.size} elements")
-        view = np.lib.stride_tricks.as_strided(data[obj.offset:] if 0 not in obj.size else data, obj.size,
-                                               [s * data.itemsize for s in obj.stride], writeable=False)
+        view = np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size, [s * data.itemsize for s in obj.stride],
+                                               writeable=False)
         return np.array(view)
     if isinstance(obj, dict):
         return {k: _materialize(path, v) for k, v in obj.items()}
@@ -260,6 +269,7 @@ def load_torch(path):
                     raise ValueError(f"{path}: a damaged or truncated zip archive")
                 f.seek(0)
                 obj = _load_torch_legacy(path, f)
+            return _materialize(path, obj)
         except UnsafePickleError:
             raise
         except ValueError as e:
@@ -271,7 +281,6 @@ def load_torch(path):
                 RuntimeError, OSError) as e:
             # Anything a damaged pickle or zip directory can raise: name the file, not the parser's internals.
             raise ValueError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: {e})") from None
-    return _materialize(path, obj)
 
 
 #################################################################################
@@ -523,16 +532,19 @@ def _download_weights(dest):
                     f.write(chunk)
                     bar.update(len(chunk))
     except OSError as e:
-        raise RuntimeError(f"could not download the FID Inception weights from {FID_WEIGHTS_URL} ({e}). "
-                           f"Download that file by hand and pass it with --weights PATH (or put it at {dest})") from None
+        raise RuntimeError(f"could not download the FID Inception weights from {FID_WEIGHTS_URL} ({e}). Download "
+                           f"that file by hand and pass it with --weights PATH (or put it at {dest})") from None
     if _sha256(partial) != FID_WEIGHTS_SHA256:
         os.remove(partial)
         raise RuntimeError(f"the download from {FID_WEIGHTS_URL} has the wrong sha256 (damaged in transit?); try again")
     os.replace(partial, dest)
 
 
-def _convert_torch_weights(state_dict):
+def _convert_torch_weights(state_dict, source):
     """pytorch-fid's state dict -> {"Mixed_5b/branch1x1/conv/kernel": array, ...} in the NNX model's layout."""
+    if not (isinstance(state_dict, dict) and all(isinstance(v, np.ndarray) for v in state_dict.values())):
+        raise ValueError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of tensors). "
+                         f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     params = {}
     for key, value in state_dict.items():
         *module, name = key.split(".")
@@ -552,25 +564,20 @@ def _build_inception(params, source):
     """An InceptionV3 holding `params`, after checking that they are exactly the ones it needs."""
     abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))  # shapes only, nothing initialised
     graphdef, state = nnx.split(abstract)
-    expected = {"/".join(map(str, path)): var.value.shape for path, var in nnx.to_flat_state(state)}
+    expected = {"/".join(map(str, path)): var.get_value().shape for path, var in nnx.to_flat_state(state)}
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
     wrong = sorted(k for k in set(expected) & set(params) if params[k].shape != expected[k])
     if missing or unexpected or wrong:
-        def show(keys):
-            return ", ".join(k.replace("/", ".") for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        def show(keys):  # the first few, in torch's dotted naming
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            return ", ".join(k.replace("/", ".") for k in keys[:3]) + more
         problems = [f"{label}: {show(keys)}" for label, keys in
                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
         raise ValueError(f"{source}: not pytorch-fid's FID Inception weights ({'; '.join(problems)}). "
                          f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
-    nested = {}
-    for key, value in params.items():
-        *parents, leaf = key.split("/")
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = jnp.asarray(value)
-    state.replace_by_pure_dict(nested)
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
+        {tuple(key.split("/")): jnp.asarray(value) for key, value in params.items()}))
     return nnx.merge(graphdef, state)
 
 
@@ -600,18 +607,18 @@ def load_inception(path=None, cache_dir=None):
     converted = os.path.join(cache_dir, f"inception-{digest[:16]}.npz")
     if os.path.exists(converted):
         with np.load(converted) as f:
-            params = dict(f)
-    else:
-        params = _convert_torch_weights(load_torch(path))
-        try:  # write then rename, so that an interrupted run never leaves half a cache file
-            os.makedirs(cache_dir, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
-                np.savez(f, **params)
-            os.replace(f.name, converted)
-        except OSError as e:
-            warnings.warn(f"could not cache the converted Inception weights in {cache_dir} ({e}); "
-                          f"they will be converted again next time")
-    return _build_inception(params, path)
+            return _build_inception(dict(f), path)
+    params = _convert_torch_weights(load_torch(path), path)
+    inception = _build_inception(params, path)  # checks the weights before they are cached
+    try:  # write then rename, so that an interrupted run never leaves half a cache file
+        os.makedirs(cache_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
+            np.savez(f, **params)
+        os.replace(f.name, converted)
+    except OSError as e:
+        warnings.warn(f"could not cache the converted Inception weights in {cache_dir} ({e}); "
+                      f"they will be converted again next time")
+    return inception
 
 
 #################################################################################
@@ -668,13 +675,13 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     """
     mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
     sigma1, sigma2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
-    if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != mu1.shape * 2:
+    if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (len(mu1), len(mu1)):
         raise ValueError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma {sigma1.shape} vs "
                          f"{sigma2.shape}; both must come from the same features (2048-d pool3 for FID)")
     diff = mu1 - mu2
     covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
-        print(f"fid calculation produces singular product; adding {eps} to diagonal of cov estimates")
+        warnings.warn(f"singular product sigma1 sigma2 (too few images?): adding {eps} to the diagonals")
         offset = np.eye(len(mu1)) * eps
         covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
     if np.iscomplexobj(covmean):
@@ -714,7 +721,7 @@ def load_statistics(path):
             raise ValueError(f"{path} holds {sorted(f.files)}, not FID statistics (`mu` and `sigma`); for an .npz "
                              f"of images (`arr_0`) compute them with `python fid.py stats {path} OUT.npz`")
         mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
-    if mu.ndim != 1 or sigma.shape != mu.shape * 2:
+    if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
         raise ValueError(f"{path}: mu {mu.shape} and sigma {sigma.shape} are not a (D,) mean and (D, D) covariance")
     return mu, sigma
 
@@ -724,13 +731,19 @@ def load_statistics(path):
 #################################################################################
 
 def _allgather(x):
-    """Stack a numpy array from every process: (P, *x.shape). Float64 travels as raw bits, so it stays exact
-    even though JAX (without x64) would round it to float32."""
+    """Stack a numpy array from every process: (P, *x.shape). 64-bit values travel as pairs of uint32, so
+    they stay exact even though JAX (without x64) would narrow them to 32 bits."""
     x = np.ascontiguousarray(x)
     if jax.process_count() == 1:
         return x[None]
-    bits = multihost_utils.process_allgather(x.view(np.uint32) if x.dtype == np.float64 else x)
-    return np.asarray(bits).view(x.dtype)
+    gathered = multihost_utils.process_allgather(x.view(np.uint32) if x.dtype.itemsize == 8 else x)
+    return np.asarray(gathered).view(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _inception_forward(graphdef, state, images):
+    """Compiled once per image shape and shared by every InceptionFeatures (e.g. repeated evaluations)."""
+    return nnx.merge(graphdef, state)(images)
 
 
 class InceptionFeatures:
@@ -746,7 +759,7 @@ class InceptionFeatures:
         self.per_device = batch_size
         graphdef, state = nnx.split(inception)
         self.state = jax.device_put(state, NamedSharding(self.mesh, P()))  # weights replicated on every device
-        self.forward = jax.jit(lambda state, images: nnx.merge(graphdef, state)(images))
+        self.forward = functools.partial(_inception_forward, graphdef)  # (state, images) -> (pool, logits)
         self.stats = FeatureStats(2048)
         self.logits = []  # this process's (n, 1008) blocks
         self.image_shape = None
@@ -764,8 +777,10 @@ class InceptionFeatures:
             raise ValueError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} {images.shape}; "
                              f"convert floats in [0, 1] with (x * 255).round().clip(0, 255).astype(np.uint8)")
         # Every process must run the same number of steps on the same shapes, so agree on both first.
-        counts = _allgather(np.array([len(images), *images.shape[1:3]], np.int64))  # (P, 3)
-        shapes = {tuple(c[1:]) for c in counts if c[0] > 0} | ({self.image_shape} if self.image_shape else set())
+        sizes = _allgather(np.array([len(images), *images.shape[1:3]], np.int64))  # (P, 3): N, H, W per process
+        shapes = {tuple(size[1:]) for size in sizes if size[0] > 0}
+        if self.image_shape is not None:
+            shapes.add(self.image_shape)
         if len(shapes) > 1:
             raise ValueError(f"images of different sizes {sorted(shapes)}: FID needs images of one size; "
                              f"resize or crop them all to the same height and width first")
@@ -774,8 +789,9 @@ class InceptionFeatures:
         self.image_shape = shapes.pop()
         local_devices = jax.local_device_count()
         # A batch no larger than needed (small evaluations do not compute padding), a multiple of the devices.
-        batch = min(self.per_device, -(-counts[:, 0].max() // local_devices)) * local_devices
-        steps = -(-counts[:, 0].max() // batch)
+        most = sizes[:, 0].max()
+        batch = min(self.per_device, -(-most // local_devices)) * local_devices
+        steps = -(-most // batch)
         pending = None
         for step in range(steps):
             chunk = images[step * batch:(step + 1) * batch]
@@ -840,7 +856,9 @@ class ImageFolder:
 
     def __getitem__(self, index):
         paths = self.paths[index]
-        return np.stack(list(self.pool.map(self._read_checked, paths))) if paths else np.zeros((0, *self.shape), np.uint8)
+        if not paths:
+            return np.zeros((0, *self.shape), np.uint8)
+        return np.stack(list(self.pool.map(self._read_checked, paths)))  # (n, H, W, 3)
 
 
 def load_images(source):
@@ -865,13 +883,125 @@ def image_statistics(images, inception, batch_size=128, progress=True):
     rank, world = jax.process_index(), jax.process_count()
     mine = range(rank, len(images), world)
     features = InceptionFeatures(inception, batch_size, progress)
-    chunk = 8 * batch_size * jax.local_device_count()  # images loaded into host memory at a time
-    # Every process makes the same number of update calls, even one whose share is shorter.
-    calls = -(-(-(-len(images) // world)) // chunk)
-    with tqdm(total=len(images), unit="img", desc="Inception", disable=not features.progress) as bar:
+    chunk = 8 * batch_size * jax.local_device_count()  # images held in host memory at a time
+    calls = -(-len(range(0, len(images), world)) // chunk)  # the same for every process, as update needs
+    with tqdm(total=len(mine), unit="img", desc="Inception", disable=not features.progress) as bar:
         for i in range(calls):
-            indices = mine[i * chunk:(i + 1) * chunk]
-            batch = images[indices.start:indices.stop:world] if len(indices) else images[:0]
-            features.update(batch, bar)
-            bar.update((len(indices) * world) - len(indices))  # the other processes' share, for the total
+            indices = mine[i * chunk:(i + 1) * chunk]  # empty for a process whose share is shorter
+            features.update(images[indices.start:indices.stop:world] if indices else images[:0], bar)
     return features.result()
+
+
+#################################################################################
+#                        Evaluation entry point and CLI                         #
+#################################################################################
+
+def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=True):
+    """FID against reference statistics, Inception Score and the statistics of uint8 images (N, H, W, 3).
+
+    `ref_stats` is (mu, sigma) or the path of a statistics .npz; without it "fid" is None. Under
+    `jax.distributed` each process passes its own images and gets the figures over all of them.
+    Returns {"fid", "inception_score", "inception_score_std", "mu", "sigma", "count"}.
+    """
+    features = InceptionFeatures(inception or load_inception(), batch_size, progress)
+    with tqdm(total=len(images), unit="img", desc="Inception", disable=not features.progress) as bar:
+        features.update(images, bar)
+    out = features.result()
+    if isinstance(ref_stats, (str, os.PathLike)):
+        ref_stats = load_statistics(ref_stats)
+    fid = frechet_distance(out["mu"], out["sigma"], *ref_stats) if ref_stats is not None else None
+    # IS over 10 splits needs at least 10 images; a tiny evaluation reports FID only.
+    score, score_std = inception_score(out["logits"]) if out["count"] >= 10 else (None, None)
+    return {"fid": fid, "inception_score": score, "inception_score_std": score_std,
+            "mu": out["mu"], "sigma": out["sigma"], "count": out["count"]}
+
+
+def _is_statistics_file(source):
+    if not (source.endswith(".npz") and os.path.isfile(source)):
+        return False
+    with np.load(source) as f:
+        return "mu" in f and "sigma" in f
+
+
+def benchmark(batch_sizes, image_size=256, steps=5):
+    """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not depend on
+    them). Each step is timed from host uint8 images to features on the device."""
+    inception = InceptionV3(rngs=nnx.Rngs(0))
+    devices = jax.device_count()
+    print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} uint8 inputs "
+          f"resized to 299x299")
+    for per_device in batch_sizes:
+        features = InceptionFeatures(inception, per_device, progress=False)
+        shape = (per_device * jax.local_device_count(), image_size, image_size, 3)  # (B, H, W, 3)
+        images = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+        def step():
+            inputs = multihost_utils.host_local_array_to_global_array(images, features.mesh, P("batch"))
+            return features.forward(features.state, inputs)
+
+        jax.block_until_ready(step())  # compile
+        start = time.perf_counter()
+        for _ in range(steps):
+            outputs = step()
+        jax.block_until_ready(outputs)
+        rate = steps * per_device * devices / (time.perf_counter() - start)
+        print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="FID and Inception Score with pytorch-fid's InceptionV3, in JAX. "
+                                     "A source is a folder of images, an .npz of uint8 images (arr_0) or, "
+                                     "where statistics suffice, an .npz of statistics (mu, sigma).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    stats = commands.add_parser("stats", help="save the FID statistics of a source to OUT.npz")
+    stats.add_argument("source")
+    stats.add_argument("out")
+    distance = commands.add_parser("fid", help="FID between two sources (e.g. samples.npz and reference stats)")
+    distance.add_argument("source1")
+    distance.add_argument("source2")
+    score = commands.add_parser("is", help="Inception Score of a source of images")
+    score.add_argument("source")
+    for command in (stats, distance, score):
+        command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, else download)")
+        command.add_argument("--batch-size", type=int, default=128, help="images per device per step")
+    bench = commands.add_parser("bench", help="images/s of the feature extractor")
+    bench.add_argument("--batch-sizes", default=None, help="per-device batch sizes, comma-separated")
+    bench.add_argument("--image-size", type=int, default=256)
+    args = parser.parse_args(argv)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+
+    if args.command == "bench":
+        default = "4,8,16" if jax.default_backend() == "cpu" else "32,64,128,256,512"
+        benchmark([int(b) for b in (args.batch_sizes or default).split(",")], args.image_size)
+        return
+    inception = None
+
+    def statistics(source, need_images=False):
+        nonlocal inception
+        if _is_statistics_file(source) and not need_images:
+            return load_statistics(source) + (None,)
+        inception = inception or load_inception(args.weights)
+        out = image_statistics(load_images(source), inception, args.batch_size)
+        say(f"{source}: {out['count']} images")
+        return out["mu"], out["sigma"], out["logits"]
+
+    if args.command == "stats":
+        if _is_statistics_file(args.source):
+            raise SystemExit(f"{args.source} already holds statistics (mu, sigma); give images to compute them from")
+        mu, sigma, _ = statistics(args.source)
+        if jax.process_index() == 0:
+            save_statistics(args.out, mu, sigma)
+        say(f"saved mu {mu.shape} and sigma {sigma.shape} to {args.out}")
+    elif args.command == "fid":
+        mu1, sigma1, _ = statistics(args.source1)
+        mu2, sigma2, _ = statistics(args.source2)
+        say(f"FID: {frechet_distance(mu1, sigma1, mu2, sigma2):.4f}")
+    elif args.command == "is":
+        mean, std = inception_score(statistics(args.source, need_images=True)[2])
+        say(f"Inception Score: {mean:.4f} +- {std:.4f} (10 splits)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError, RuntimeError) as e:  # bad input or weights: the message says what to do
+        raise SystemExit(f"error: {e}")

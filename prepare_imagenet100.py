@@ -51,6 +51,8 @@ def find_images(src, split, classes=None):
     validation in val.X; without train.X* folders `src` itself is taken as the class-folder tree. `classes`
     (wnids in label order) pins the labels, so that val uses train's. Returns (classes, files, labels,
     warnings), files relative to `src` and sorted, which fixes the order chunks are cut in."""
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"source folder {src} does not exist")
     if split == "val":
         roots = ["val.X"]
         if not os.path.isdir(os.path.join(src, "val.X")):
@@ -112,6 +114,7 @@ def decoded_chunks(pool, src, files, chunks, size):
 
 
 def collect(c, futures, size):
+    """Wait for one chunk's decoding: (chunk, images with zeros for broken files, {index in chunk: reason})."""
     images = np.zeros((len(futures), size, size, 3), np.uint8)
     reasons = {}
     for j, fut in enumerate(futures):
@@ -172,7 +175,7 @@ def parse_args(argv):
     p.add_argument("--resolution", type=int, default=256, help="centre-crop size the VAE encodes")
     p.add_argument("--pixels", type=int, metavar="R", help="store uint8 R x R images instead of latents (no VAE)")
     p.add_argument("--vae", default="ema", help="'ema', 'mse', a diffusers VAE folder or a weight file")
-    p.add_argument("--batch-size", type=int, default=64, help="global encoding batch (a multiple of the device count)")
+    p.add_argument("--batch-size", type=int, default=32, help="global encoding batch (a multiple of the device count)")
     p.add_argument("--chunk-size", type=int, default=2048, help="images per resumable chunk")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="image-decoding threads")
     p.add_argument("--no-fid", action="store_true", help="skip the FID reference statistics")
@@ -203,19 +206,16 @@ def main(argv=None):
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
 
-    devices = jax.local_devices()
-    batch = -(-args.batch_size // len(devices)) * len(devices)
-    mesh = Mesh(np.array(devices), ("data",))
-    scaling_factor, vae = None, None
+    vae, latent_shape = None, None
     if args.pixels:
-        row_shape, dtype, name = (size, size, 3), np.uint8, "images"
+        name, dtype, row_shape = "images", np.uint8, (size, size, 3)
     else:
         vae = load_vae(args.vae)
         f = 2 ** (len(vae.cfg.block_out_channels) - 1)
         if size % f:
             raise SystemExit(f"--resolution {size} is not a multiple of the VAE's downsampling factor {f}")
-        row_shape, dtype, name = (2, size // f, size // f, 2 * vae.cfg.latent_channels), np.float16, "latents"
-        scaling_factor = vae.cfg.scaling_factor
+        latent_shape = [size // f, size // f, vae.cfg.latent_channels]
+        name, dtype, row_shape = "latents", np.float16, (2, size // f, size // f, 2 * vae.cfg.latent_channels)
     settings = {"split": args.split, "source": src, "resolution": size, "pixels": bool(args.pixels),
                 "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size, "fid": not args.no_fid,
                 "files": len(files), "files_sha1": hashlib.sha1("\n".join(files).encode()).hexdigest()}
@@ -223,47 +223,62 @@ def main(argv=None):
         diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items() if manifest["settings"].get(k) != v}
         raise SystemExit(f"{out} holds an unfinished run with other settings {diff} (old, new); rerun with the old "
                          f"arguments to resume, or delete {out} to start over")
-    n_chunks = -(-len(files) // args.chunk_size)
-    manifest = manifest or {"settings": settings, "chunks_done": {}, "seconds": 0.0}
-    manifest.update(classes=len(classes), warnings=warnings, complete=False)
 
-    # rows for every file; broken files leave rows that the final copy drops
-    partial = os.path.join(out, f"{name}.partial.npy")
-    feats_path = os.path.join(out, "inception.partial.npy")
+    # One row per file, broken ones included (they are found while decoding); the final copy drops those.
+    partials = {name: (dtype, row_shape)} | ({} if args.no_fid else {"inception": (np.float32, (2048,))})
+    paths = {k: os.path.join(out, f"{k}.partial.npy") for k in partials}
+    if not manifest or not all(os.path.exists(p) for p in paths.values()):
+        manifest = {"settings": settings, "chunks_done": {}, "seconds": 0.0}
     mode = "r+" if manifest["chunks_done"] else "w+"
-    rows = np.lib.format.open_memmap(partial, mode, dtype, (len(files), *row_shape))
-    t0, feats, features, encode = time.perf_counter(), None, None, None
-    if not args.no_fid:
-        inception = fid.load_inception(args.inception)
-        features = sharded_apply(inception, lambda net, x: net(x)[0], (batch, size, size, 3), mesh)
-        feats = np.lib.format.open_memmap(feats_path, mode, np.float32, (len(files), 2048))
-    if not args.pixels:
-        encode = sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh)
+    arrays = {k: np.lib.format.open_memmap(paths[k], mode, dt, (len(files), *shape))
+              for k, (dt, shape) in partials.items()}
+    manifest.update(classes=len(classes), warnings=warnings, latent_shape=latent_shape,
+                    scaling_factor=vae.cfg.scaling_factor if vae else None, complete=False)
+
+    inception = None if args.no_fid else fid.load_inception(args.inception)
+    run = encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path)
+    write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run)
+    del arrays  # close the memory maps before deleting their files
+    for p in paths.values():
+        os.remove(p)
+    print_summary(args, out, manifest)
+    return manifest
+
+
+def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path):
+    """Fill the partial arrays chunk by chunk: arrays[name] with pixels or latents, arrays["inception"] with
+    pool3 features. Each finished chunk is recorded in the manifest with its unreadable files, after its rows
+    are flushed to disk; chunks already recorded are skipped."""
+    devices = jax.local_devices()
+    mesh = Mesh(np.array(devices), ("data",))
+    batch = -(-args.batch_size // len(devices)) * len(devices)  # a whole number of images per device
+    t0, steps = time.perf_counter(), []  # (compiled function of a uint8 batch, the array its rows go to)
+    if vae is not None:
+        steps.append((sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh), arrays[name]))
+    if inception is not None:
+        pool3 = lambda net, images: net(images)[0]  # (B, 2048)
+        steps.append((sharded_apply(inception, pool3, (batch, size, size, 3), mesh), arrays["inception"]))
     compile_s = time.perf_counter() - t0
 
     todo = [(c, (c * args.chunk_size, min((c + 1) * args.chunk_size, len(files))))
-            for c in range(n_chunks) if str(c) not in manifest["chunks_done"]]
-    done_files = len(files) - sum(hi - lo for _, (lo, hi) in todo)
-    bar = tqdm(total=len(files), initial=done_files, unit="img", desc=f"{args.split} {name}", smoothing=0.1)
+            for c in range(-(-len(files) // args.chunk_size)) if str(c) not in manifest["chunks_done"]]
+    bar = tqdm(total=len(files), initial=len(files) - sum(hi - lo for _, (lo, hi) in todo), unit="img",
+               desc=f"{args.split} {name}", smoothing=0.1)
     t0, processed, seconds_before = time.perf_counter(), 0, manifest["seconds"]
     pool = concurrent.futures.ThreadPoolExecutor(args.workers)
     try:
         for c, images, reasons in decoded_chunks(pool, src, files, todo, size):
             lo = c * args.chunk_size
-            for b in range(0, len(images), batch):
-                part = images[b:b + batch]
-                if encode is None:
-                    rows[lo + b:lo + b + len(part)] = part
-                else:
-                    enc, n = encode(part)
-                    rows[lo + b:lo + b + n] = np.asarray(enc)[:n]
-                if feats is not None:
-                    pool3, n = features(part)
-                    feats[lo + b:lo + b + n] = np.asarray(pool3)[:n]
+            for b in range(lo, lo + len(images), batch):
+                part = images[b - lo:b - lo + batch]
+                if vae is None:
+                    arrays[name][b:b + len(part)] = part
+                results = [(fn(part), dest) for fn, dest in steps]  # all dispatched before waiting on any
+                for (result, n), dest in results:
+                    dest[b:b + n] = np.asarray(result)[:n]
                 bar.update(len(part))
-            rows.flush()
-            if feats is not None:
-                feats.flush()
+            for array in arrays.values():
+                array.flush()
             skipped = {files[lo + j]: why for j, why in reasons.items()}
             for file, why in skipped.items():
                 tqdm.write(f"skipped {file}: {why}", file=sys.stderr)
@@ -275,51 +290,57 @@ def main(argv=None):
         pool.shutdown(cancel_futures=True)
     bar.close()
     run_s = time.perf_counter() - t0
+    return {"compile_s": round(compile_s, 2), "last_run_s": round(run_s, 2), "last_run_images": processed,
+            "last_run_images_per_s": round(processed / run_s, 2) if processed else None,
+            "devices": len(devices), "device": devices[0].device_kind}
 
-    # final arrays without the broken files
+
+def write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run):
+    """Copy the rows of the readable files into `<name>.npy`, write labels, classes, the FID statistics and
+    the completed manifest."""
     skipped = {file: why for chunk in manifest["chunks_done"].values() for file, why in chunk.items()}
-    keep = np.array([f not in skipped for f in files])
-    if not keep.any():
-        raise SystemExit(f"none of the {len(files)} files under {src} could be read")
-    final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", dtype, (int(keep.sum()), *row_shape))
-    kept = np.flatnonzero(keep)
-    for i in range(0, len(kept), 4096):
+    kept = np.flatnonzero([f not in skipped for f in files])
+    if not len(kept):
+        raise SystemExit(f"none of the {len(files)} files under {manifest['settings']['source']} could be read")
+    rows = arrays[name]
+    final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", rows.dtype, (len(kept), *rows.shape[1:]))
+    for i in range(0, len(kept), 4096):  # in blocks: all latents need not fit in memory
         final[i:i + 4096] = rows[kept[i:i + 4096]]
     final.flush()
-    np.save(os.path.join(out, "labels.npy"), labels[keep])
+    np.save(os.path.join(out, "labels.npy"), labels[kept])
     write_json(os.path.join(out, "classes.json"), [{"wnid": w, "name": names.get(w, w)} for w in classes])
-    if feats is not None:
-        acc = fid.FeatureStats()
+    if "inception" in arrays:
+        stats = fid.FeatureStats(2048)
         for i in range(0, len(kept), 4096):
-            acc.update(np.asarray(feats[kept[i:i + 4096]]))
-        mu, sigma = acc.finalize()
-        fid.save_statistics(os.path.join(out, "fid_stats.npz"), mu, sigma)
+            stats.update(arrays["inception"][kept[i:i + 4096]])
+        fid.save_statistics(os.path.join(out, "fid_stats.npz"), *stats.mu_sigma())
 
-    counts = np.bincount(labels[keep], minlength=len(classes))
+    counts = np.bincount(labels[kept], minlength=len(classes))
     manifest.update(
-        complete=True, resolution=size, vae=settings["vae"], scaling_factor=scaling_factor, shape=list(final.shape),
-        dtype=np.dtype(dtype).name, file=f"{name}.npy",
-        counts={"files": len(files), "images": int(keep.sum()), "skipped": len(skipped), "classes": len(classes),
+        complete=True, resolution=manifest["settings"]["resolution"], vae=manifest["settings"]["vae"],
+        file=f"{name}.npy", shape=list(final.shape), dtype=final.dtype.name,
+        counts={"files": len(files), "images": len(kept), "skipped": len(skipped), "classes": len(classes),
                 "per_class_min": int(counts.min()), "per_class_max": int(counts.max())},
         skipped=[{"file": file, "reason": why} for file, why in sorted(skipped.items())],
-        timing={"compile_s": round(compile_s, 2), "last_run_s": round(run_s, 2),
-                "total_s": round(manifest["seconds"], 2),
-                "last_run_images_per_s": round(processed / run_s, 2) if processed else None, "devices": len(devices),
-                "device": devices[0].device_kind})
+        timing={**run, "total_s": round(manifest["seconds"], 2)})
     write_json(manifest_path, manifest)
-    steps = "decode + crop" + (" + copy" if args.pixels else " + VAE encode") + ("" if args.no_fid else " + Inception")
-    del rows, feats, final
-    for p in (partial, feats_path):
-        if os.path.exists(p):
-            os.remove(p)
+
+
+def print_summary(args, out, manifest):
     for w in manifest["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
-    print(f"{manifest['counts']['images']} images in {len(classes)} classes -> {out} ({len(skipped)} skipped)")
-    if processed:
-        print(f"speed: {processed / run_s:.1f} images/s ({steps}) on {len(devices)} x {devices[0].device_kind}, "
-              f"after {compile_s:.1f} s of compilation")
-    return manifest
+    counts, run = manifest["counts"], manifest["timing"]
+    print(f"{counts['images']} images in {counts['classes']} classes -> {out} ({counts['skipped']} skipped, "
+          f"listed in manifest.json)")
+    if run["last_run_images"]:
+        work = "decode + crop" + (" + copy" if args.pixels else " + VAE encode")
+        work += "" if args.no_fid else " + Inception"
+        print(f"speed: {run['last_run_images_per_s']} images/s ({work}) on {run['devices']} x {run['device']}, "
+              f"after {run['compile_s']} s of compilation")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # bad input: the message says what to do
+        raise SystemExit(f"error: {e}")

@@ -7,6 +7,8 @@ import struct
 import zipfile
 
 import numpy as np
+from flax import nnx
+from PIL import Image
 
 import fid
 
@@ -79,7 +81,8 @@ def _tensor(storage_name, key, numel, offset, size, stride):
     """What torch writes for one tensor: _rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())."""
     storage = _PersistentId(("storage", _Global("torch", storage_name), key, "cpu", numel))
     hooks = _Call(_Global("collections", "OrderedDict"))
-    return _Call(_Global("torch._utils", "_rebuild_tensor_v2"), storage, offset, tuple(size), tuple(stride), False, hooks)
+    rebuild = _Global("torch._utils", "_rebuild_tensor_v2")
+    return _Call(rebuild, storage, offset, tuple(size), tuple(stride), False, hooks)
 
 
 def _write_zip(path, obj, storages):
@@ -112,8 +115,8 @@ def _handbuilt_checkpoint():
         "3": np.array([True, False, True], np.bool_).tobytes(),
     }
     itemsizes = {"0": 4, "1": 2, "2": 8, "3": 1}
-    weight = _Call(_Global("torch._utils", "_rebuild_parameter"),
-                   _tensor("FloatStorage", "0", 24, 2, (3, 4), (1, 3)), True, _Call(_Global("collections", "OrderedDict")))
+    weight = _Call(_Global("torch._utils", "_rebuild_parameter"), _tensor("FloatStorage", "0", 24, 2, (3, 4), (1, 3)),
+                   True, _Call(_Global("collections", "OrderedDict")))
     obj = {
         "model": _Call(_Global("collections", "OrderedDict"), [
             ("w", weight),                                                  # transposed view at offset 2
@@ -244,3 +247,178 @@ def test_torch_tensor_outside_its_storage_is_refused(tmp_path):
     _write_zip(str(tmp_path / "oob.pt"), obj, {"0": np.zeros(4, np.float32).tobytes()})
     with pytest.raises(ValueError, match="reaches element 4"):
         fid.load_torch(str(tmp_path / "oob.pt"))
+
+
+#################################################################################
+#                  Tests: InceptionV3, statistics, FID, IS, CLI                 #
+#################################################################################
+
+def _rel(ours, ref):
+    ref = np.asarray(ref, np.float64)
+    return np.linalg.norm(np.asarray(ours, np.float64) - ref) / np.linalg.norm(ref)
+
+
+@pytest.fixture(scope="module")
+def inception(tmp_path_factory):
+    """The FID InceptionV3 with the random-weight fixture (the real weights are not needed for parity)."""
+    weights = fixture("inception_fid_random.pth")
+    with pytest.warns(UserWarning, match="not pytorch-fid's official"):
+        return fid.load_inception(weights, cache_dir=str(tmp_path_factory.mktemp("cache")))
+
+
+def test_fid_resize_matches_torch_formula():
+    # Hand-computed from torch's rule src = (i + 0.5) * in / out - 0.5, clamped at 0, linear between neighbours.
+    # Upsampling 3 -> 5: src = 0 (clamped from -0.2), 0.4, 1.0, 1.6, 2.2 (the last pixel repeats past the edge).
+    up = [[1, 0, 0], [0.6, 0.4, 0], [0, 1, 0], [0, 0.4, 0.6], [0, 0, 1]]
+    np.testing.assert_allclose(fid.resize_matrix(3, 5), up, atol=1e-6)
+    # Downsampling 5 -> 2: src = 0.75 and 3.25; no antialiasing, so pixel 2 does not contribute at all.
+    down = [[0.25, 0.75, 0, 0, 0], [0, 0, 0, 0.75, 0.25]]
+    np.testing.assert_allclose(fid.resize_matrix(5, 2), down, atol=1e-6)
+    np.testing.assert_array_equal(fid.resize_matrix(299, 299), np.eye(299))
+    # The 2-D resize applies the rule along each axis: out[i, j] = sum_hw R_rows[i, h] R_cols[j, w] x[h, w].
+    x = np.random.default_rng(0).random((2, 3, 5, 4)).astype(np.float32)  # (B, H, W, C)
+    out = np.asarray(fid.resize_bilinear(x, 5, 2))
+    np.testing.assert_allclose(out, np.einsum("ih,jw,bhwc->bijc", np.array(up), np.array(down), x), atol=1e-6)
+
+
+def test_fid_features_match_pytorch_fid_set32(inception):
+    ref = np.load(fixture("inception_reference.npz"))
+    n = 7  # a subset keeps the test short on a CPU
+    images, pool, logits = ref["set32"][:n], ref["set32_pool3"][:n], ref["set32_logits"][:n]
+    features = fid.InceptionFeatures(inception, batch_size=3, progress=False)  # 3 steps, the last one padded
+    features.update(images)
+    with pytest.warns(UserWarning, match="singular"):
+        out = features.result()
+    assert out["count"] == n and out["logits"].shape == logits.shape
+    assert _rel(out["logits"], logits) < 1e-4
+    assert _rel(out["mu"], pool.astype(np.float64).mean(axis=0)) < 1e-4
+    assert _rel(out["sigma"], np.cov(pool.astype(np.float64), rowvar=False)) < 1e-4
+
+
+def test_fid_evaluate_matches_pytorch_fid_features(inception):
+    ref = np.load(fixture("inception_reference.npz"))
+    n = 10  # enough for the Inception Score's 10 splits
+    pool, logits = ref["set32_pool3"][:n].astype(np.float64), ref["set32_logits"][:n]
+    ref_stats = (np.zeros(2048), np.eye(2048))  # a full-rank reference keeps sqrtm well conditioned
+    with pytest.warns(UserWarning, match="singular"):
+        out = fid.evaluate(ref["set32"][:n], ref_stats=ref_stats, inception=inception, batch_size=3, progress=False)
+    assert out["count"] == n
+    expected_fid = fid.frechet_distance(pool.mean(axis=0), np.cov(pool, rowvar=False), *ref_stats)
+    assert abs(out["fid"] - expected_fid) / expected_fid < 1e-4
+    expected_is = fid.inception_score(logits)[0]
+    assert abs(out["inception_score"] - expected_is) / expected_is < 1e-4
+
+
+@pytest.mark.parametrize("name", ["set256", "set384"])
+def test_fid_inception_matches_pytorch_fid(inception, name):
+    ref = np.load(fixture("inception_reference.npz"))
+    images = ref[name][:6]  # a subset keeps the test short on a CPU
+    pool, logits = nnx.jit(lambda model, x: model(x))(inception, images)
+    assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
+    assert _rel(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
+    assert _rel(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
+
+
+def test_fid_frechet_distance_matches_pytorch_fid():
+    ref = np.load(fixture("inception_reference.npz"))
+    value = fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"], ref["sigma2"])
+    assert abs(value - ref["fid"]) / ref["fid"] < 1e-6
+    with pytest.raises(ValueError, match="do not match"):
+        fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"][:10], ref["sigma2"][:10, :10])
+
+
+def test_fid_frechet_distance_of_known_gaussians():
+    # For commuting covariances the distance is ||mu1 - mu2||^2 + sum (sqrt(a_i) - sqrt(b_i))^2.
+    a, b = np.array([1.0, 4.0, 9.0]), np.array([4.0, 1.0, 0.25])
+    mu1, mu2 = np.array([0.0, 1.0, 2.0]), np.array([1.0, 1.0, 0.0])
+    expected = 5.0 + np.sum((np.sqrt(a) - np.sqrt(b)) ** 2)
+    assert abs(fid.frechet_distance(mu1, np.diag(a), mu2, np.diag(b)) - expected) < 1e-12
+
+
+def test_fid_statistics_accumulator_equals_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(301, 16)) * rng.random(16) * 10 + 1000  # a large offset tests the numerics
+    stats = fid.FeatureStats(16)
+    for part in np.array_split(x, [1, 2, 50, 51, 200]):  # uneven batches, some of size 1
+        stats.update(part)
+    mu, sigma = stats.mu_sigma()
+    assert stats.count == len(x)
+    np.testing.assert_allclose(mu, x.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(sigma, np.cov(x, rowvar=False), rtol=1e-9, atol=1e-9)
+    with pytest.warns(UserWarning, match="rank at most 4"):
+        small = fid.FeatureStats(16)
+        small.update(x[:5])
+        small.mu_sigma()
+
+
+def test_fid_inception_score_of_known_predictions():
+    # Identical predictions: p(y|x) = p(y), so the KL is 0 and the score is exactly 1.
+    assert fid.inception_score(np.zeros((40, 1008))) == pytest.approx((1.0, 0.0), abs=1e-12)
+    # Confident predictions spread evenly over 5 classes in every split: KL = log 5, the score is 5.
+    logits = 100.0 * np.eye(1008)[np.arange(50) % 5]
+    mean, std = fid.inception_score(logits, splits=10)
+    assert mean == pytest.approx(5.0, rel=1e-6) and std == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="at least 10 images"):
+        fid.inception_score(logits[:9])
+
+
+def test_fid_statistics_files(tmp_path):
+    rng = np.random.default_rng(0)
+    mu, sigma = rng.normal(size=8), np.cov(rng.normal(size=(20, 8)), rowvar=False)
+    fid.save_statistics(str(tmp_path / "stats.npz"), mu, sigma)
+    for got, want in zip(fid.load_statistics(str(tmp_path / "stats.npz")), (mu, sigma)):
+        np.testing.assert_array_equal(got, want)
+    # OpenAI's reference batches keep the images in arr_0 beside mu and sigma.
+    np.savez(tmp_path / "openai.npz", arr_0=np.zeros((2, 4, 4, 3), np.uint8), mu=mu.astype(np.float32), sigma=sigma)
+    np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "openai.npz"))[0], mu, rtol=1e-6)
+    np.savez(tmp_path / "images.npz", arr_0=np.zeros((2, 4, 4, 3), np.uint8))
+    with pytest.raises(ValueError, match="not FID statistics.*fid.py stats"):
+        fid.load_statistics(str(tmp_path / "images.npz"))
+
+
+def test_fid_load_inception_rejects_wrong_weights(tmp_path):
+    with pytest.raises(ValueError, match="not pytorch-fid's FID Inception weights.*missing.*Conv2d_1a_3x3"), \
+            pytest.warns(UserWarning, match="not pytorch-fid's official"):
+        fid.load_inception(fixture("dit_reference.pt"), cache_dir=str(tmp_path))
+    official_name = tmp_path / fid.FID_WEIGHTS_NAME  # a damaged download under the official name
+    official_name.write_bytes(b"not the weights")
+    with pytest.raises(ValueError, match="sha256.*damaged"):
+        fid.load_inception(str(official_name), cache_dir=str(tmp_path))
+
+
+def test_fid_image_inputs_are_checked(tmp_path, inception):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(folder / "a.png")  # grayscale becomes RGB
+    Image.fromarray(np.zeros((8, 6, 3), np.uint8)).save(folder / "b.png")
+    images = fid.load_images(str(folder))
+    assert len(images) == 2 and images[:1].shape == (1, 8, 8, 3)
+    with pytest.raises(ValueError, match="b.png is 6x8.*one size"):
+        images[:2]
+    features = fid.InceptionFeatures(inception, progress=False)
+    with pytest.raises(ValueError, match="uint8"):
+        features.update(np.zeros((2, 8, 8, 3), np.float32))
+    np.savez(tmp_path / "stats.npz", mu=np.zeros(3), sigma=np.eye(3))
+    with pytest.raises(ValueError, match="no images"):
+        fid.load_images(str(tmp_path / "stats.npz"))
+
+
+def test_fid_command_line(tmp_path, monkeypatch, capsys):
+    ref = np.load(fixture("inception_reference.npz"))
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
+    fid.save_statistics(str(tmp_path / "a.npz"), ref["mu1"], ref["sigma1"])
+    fid.save_statistics(str(tmp_path / "b.npz"), ref["mu2"], ref["sigma2"])
+    fid.main(["fid", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
+    assert f"FID: {float(ref['fid']):.4f}" in capsys.readouterr().out
+    # Statistics of a folder of PNGs (lossless) equal those of pytorch-fid's features of the same images.
+    folder = tmp_path / "images"
+    folder.mkdir()
+    n = 7
+    for i, image in enumerate(ref["set32"][:n]):
+        Image.fromarray(image).save(folder / f"{i}.png")
+    with pytest.warns(UserWarning):
+        fid.main(["stats", str(folder), str(tmp_path / "out.npz"), "--batch-size", "3",
+                  "--weights", fixture("inception_fid_random.pth")])
+    mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
+    pool = ref["set32_pool3"][:n].astype(np.float64)
+    assert _rel(mu, pool.mean(axis=0)) < 1e-4 and _rel(sigma, np.cov(pool, rowvar=False)) < 1e-4

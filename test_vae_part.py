@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 from PIL import Image
 
+import fid
+import prepare_imagenet100
 from vae_section import (AutoencoderKL, VAEConfig, center_crop_arr, load_vae, load_vae_weights, read_safetensors,
                          vae_torch_names)
 
@@ -210,9 +212,6 @@ def test_center_crop_arr_against_manual_adm_steps():
 #                             prepare_imagenet100.py                            #
 #################################################################################
 
-import prepare_imagenet100  # noqa: E402  (kept beside its tests for the merge into test_dit.py)
-
-
 def kaggle_tree(root, photos):
     """A small tree in the Kaggle layout from real photos, with the kinds of damage real downloads have."""
     wnids = sorted(f[:-5] for f in os.listdir(photos) if f.endswith(".JPEG"))
@@ -307,3 +306,21 @@ def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
     np.testing.assert_array_equal(images[2], center_crop_arr(Image.open(src / "train.X1" / wnids[1] / "cmyk.JPEG"), 16))
     calls.clear()
     assert prepare_imagenet100.main(args(tmp_path / "out"))["complete"] and calls == []  # finished: nothing redone
+
+
+def test_prepare_fid_statistics(tmp_path, monkeypatch):
+    """fid_stats.npz holds the mean and covariance of the Inception pool features of the kept, cropped images."""
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))  # fid.py caches converted weights there
+    src, wnids, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
+    weights = fixture("inception_fid_random.pth")
+    with pytest.warns(UserWarning):  # the random fixture is not the official file; 5 images give a singular covariance
+        prepare_imagenet100.main([str(src), str(tmp_path / "out"), "--pixels", "16", "--chunk-size", "4",
+                                  "--batch-size", "3", "--workers", "2", "--inception", weights])
+    stats = np.load(tmp_path / "out" / "fid_stats.npz")
+    images = np.load(tmp_path / "out" / "images.npy")
+    with pytest.warns(UserWarning, match="not pytorch-fid's official"):
+        inception = fid.load_inception(weights)
+    pool3 = np.asarray(nnx.jit(lambda net, x: net(x)[0])(inception, images), np.float64)
+    assert rel_err(stats["mu"], pool3.mean(0)) < 1e-5
+    assert rel_err(stats["sigma"], np.cov(pool3, rowvar=False)) < 1e-4
+    assert not (tmp_path / "out" / "inception.partial.npy").exists()

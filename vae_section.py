@@ -62,9 +62,9 @@ class VAEConfig:
             raw = json.load(f)
         if raw.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
             raise ValueError(f"{path}: _class_name is {raw['_class_name']!r}, expected 'AutoencoderKL'")
-        unsupported = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
-                       "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
-        for key, want in unsupported.items():
+        required = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
+                    "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
+        for key, want in required.items():
             if raw.get(key, want) != want:
                 raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as in the SD VAE)")
         for key, want in (("down_block_types", "DownEncoderBlock2D"), ("up_block_types", "UpDecoderBlock2D")):
@@ -76,13 +76,18 @@ class VAEConfig:
             kw["block_out_channels"] = tuple(kw["block_out_channels"])
         return cls(**kw)
 
+    def __post_init__(self):
+        if not self.block_out_channels or any(c % self.norm_num_groups for c in self.block_out_channels):
+            raise ValueError(f"block_out_channels {self.block_out_channels} must be non-empty multiples of "
+                             f"norm_num_groups={self.norm_num_groups} (GroupNorm splits the channels into groups)")
+
 
 def _group_norm(channels, groups, rngs):
     # two-pass variance like torch's GroupNorm; the one-pass E[x^2]-E[x]^2 loses digits on large activations
     return nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, use_fast_variance=False, rngs=rngs)
 
 
-class ResnetBlock(nnx.Module):
+class VAEResnetBlock(nnx.Module):
     """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1 shortcut
     when the channel count changes."""
 
@@ -101,7 +106,7 @@ class ResnetBlock(nnx.Module):
         return x + h
 
 
-class Attention(nnx.Module):
+class VAEAttention(nnx.Module):
     """The mid-block self-attention over all H*W positions: one head as wide as the channels, GroupNorm in
     front, residual around it (diffusers Attention with AttnProcessor2_0, heads = 1)."""
 
@@ -121,7 +126,7 @@ class Attention(nnx.Module):
         return x + out.reshape(B, H, W, C)
 
 
-class Downsample(nnx.Module):
+class VAEDownsample(nnx.Module):
     """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1) instead of symmetrically, a
     quirk inherited from the original LDM code; the weights were trained with it."""
 
@@ -132,7 +137,7 @@ class Downsample(nnx.Module):
         return self.conv(x)
 
 
-class Upsample(nnx.Module):
+class VAEUpsample(nnx.Module):
     """Nearest-neighbour x2 then a 3x3 conv (diffusers Upsample2D with use_conv=True)."""
 
     def __init__(self, channels, *, rngs):
@@ -144,12 +149,12 @@ class Upsample(nnx.Module):
 
 
 class DownEncoderBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a Downsample except in the last block. The
+    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv except in the last block. The
     one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading a name mapping."""
 
     def __init__(self, cin, cout, n, groups, downsample, *, rngs):
-        self.resnets = nnx.List([ResnetBlock(cin if i == 0 else cout, cout, groups, rngs=rngs) for i in range(n)])
-        self.downsamplers = nnx.List([Downsample(cout, rngs=rngs)] if downsample else [])
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs) for i in range(n)])
+        self.downsamplers = nnx.List([VAEDownsample(cout, rngs=rngs)] if downsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.downsamplers]:
@@ -158,11 +163,11 @@ class DownEncoderBlock(nnx.Module):
 
 
 class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an Upsample except in the last block."""
+    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last block."""
 
     def __init__(self, cin, cout, n, groups, upsample, *, rngs):
-        self.resnets = nnx.List([ResnetBlock(cin if i == 0 else cout, cout, groups, rngs=rngs) for i in range(n)])
-        self.upsamplers = nnx.List([Upsample(cout, rngs=rngs)] if upsample else [])
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs) for i in range(n)])
+        self.upsamplers = nnx.List([VAEUpsample(cout, rngs=rngs)] if upsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.upsamplers]:
@@ -170,12 +175,12 @@ class UpDecoderBlock(nnx.Module):
         return x
 
 
-class MidBlock(nnx.Module):
-    """UNetMidBlock2D at the lowest resolution: ResnetBlock, Attention, ResnetBlock."""
+class VAEMidBlock(nnx.Module):
+    """diffusers UNetMidBlock2D at the lowest resolution: ResnetBlock, attention, ResnetBlock."""
 
     def __init__(self, channels, groups, *, rngs):
-        self.resnets = nnx.List([ResnetBlock(channels, channels, groups, rngs=rngs) for _ in range(2)])
-        self.attentions = nnx.List([Attention(channels, groups, rngs=rngs)])
+        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, rngs=rngs) for _ in range(2)])
+        self.attentions = nnx.List([VAEAttention(channels, groups, rngs=rngs)])
 
     def __call__(self, x):
         x = self.resnets[0](x)
@@ -183,7 +188,7 @@ class MidBlock(nnx.Module):
         return self.resnets[1](x)
 
 
-class Encoder(nnx.Module):
+class VAEEncoder(nnx.Module):
     """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with f = 2**(len(block_out_channels) - 1):
     every block but the last halves the resolution."""
 
@@ -193,7 +198,7 @@ class Encoder(nnx.Module):
         self.down_blocks = nnx.List([
             DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1, rngs=rngs)
             for i in range(len(ch))])
-        self.mid_block = MidBlock(ch[-1], g, rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[-1], g, rngs=rngs)
         self.conv_norm_out = _group_norm(ch[-1], g, rngs)
         self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, rngs=rngs)
 
@@ -205,14 +210,14 @@ class Encoder(nnx.Module):
         return self.conv_out(nnx.silu(self.conv_norm_out(x)))
 
 
-class Decoder(nnx.Module):
+class VAEDecoder(nnx.Module):
     """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one more
     ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
 
     def __init__(self, cfg, *, rngs):
         ch, g = cfg.block_out_channels[::-1], cfg.norm_num_groups
         self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, rngs=rngs)
-        self.mid_block = MidBlock(ch[0], g, rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[0], g, rngs=rngs)
         self.up_blocks = nnx.List([
             UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1, rngs=rngs)
             for i in range(len(ch))])
@@ -232,8 +237,8 @@ class AutoencoderKL(nnx.Module):
 
     def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.encoder = Encoder(cfg, rngs=rngs)
-        self.decoder = Decoder(cfg, rngs=rngs)
+        self.encoder = VAEEncoder(cfg, rngs=rngs)
+        self.decoder = VAEDecoder(cfg, rngs=rngs)
         self.quant_conv = nnx.Conv(2 * cfg.latent_channels, 2 * cfg.latent_channels, (1, 1), rngs=rngs)
         self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1), rngs=rngs)
 
