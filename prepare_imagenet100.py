@@ -36,7 +36,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import fid
-from vae_section import center_crop_arr, load_vae
+from dit import center_crop_arr, load_vae
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100

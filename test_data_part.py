@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from dit import Dataset, Loader, download, load_dataset, read_idx
-from vae_section import center_crop_arr
+from dit import center_crop_arr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,4 +1,4 @@
-"""Tests of the Stable Diffusion VAE (vae_section.py) and prepare_imagenet100.py against diffusers' outputs."""
+"""Tests of the Stable Diffusion VAE (dit.py) and prepare_imagenet100.py against diffusers' outputs."""
 import io
 import json
 import os
@@ -11,7 +11,7 @@ from PIL import Image
 
 import fid
 import prepare_imagenet100
-from vae_section import (AutoencoderKL, VAEConfig, center_crop_arr, load_vae, load_vae_weights, read_safetensors,
+from dit import (AutoencoderKL, VAEConfig, center_crop_arr, load_vae, load_vae_weights, read_safetensors,
                          vae_torch_names)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
