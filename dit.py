@@ -57,6 +57,7 @@ DIT_SIZES = {
     "B": dict(hidden_size=768, depth=12, num_heads=12),
     "L": dict(hidden_size=1024, depth=24, num_heads=16),
     "XL": dict(hidden_size=1152, depth=28, num_heads=16),
+    "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: a tiny size for CPU demos and tests
 }
 
 
@@ -91,7 +92,7 @@ def dit_config(name, **overrides):
     """The official configuration called `name` ('XL/2', 'S/4', ...), with fields replaced by `overrides`."""
     size, _, patch = name.partition("/")
     if size not in DIT_SIZES or patch not in ("2", "4", "8"):
-        raise ValueError(f"unknown DiT configuration {name!r}; expected one of S, B, L, XL with /2, /4 or /8")
+        raise ValueError(f"unknown DiT configuration {name!r}; expected a size of {list(DIT_SIZES)} with /2, /4 or /8")
     return DiTConfig(patch_size=int(patch), **{**DIT_SIZES[size], **overrides})
 
 
@@ -1597,9 +1598,6 @@ class Loader:
 #                                    Training                                   #
 #################################################################################
 
-
-
-
 def make_objective(objective, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
     """Rectified flow (the default) or DiT's DDPM (`ddpm`, for exact reproduction of the paper)."""
     if objective == "ddpm":
@@ -1788,6 +1786,158 @@ def write_safetensors(f, tensors, metadata):
 
 
 #################################################################################
+#                                 Training loop                                 #
+#################################################################################
+
+# What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 follows the
+# paper (DiT-S/2 on 32x32x4 latents, batch 256, EMA 0.9999, 400K steps); the small pixel datasets get
+# a recipe that shows recognisable samples within minutes, which a 0.9999 EMA would hide for hours.
+RECIPES = {
+    "imagenet100": dict(size="S", patch=2, batch_size=256, ema_decay=0.9999, steps=400_000,
+                        log_every=100, ckpt_every=10_000, sample_every=10_000),
+    "cifar10": dict(size="S", patch=2, batch_size=128, ema_decay=0.9999, steps=200_000,
+                    log_every=100, ckpt_every=10_000, sample_every=5_000),
+    "folder": dict(size="S", patch=2, batch_size=128, ema_decay=0.9999, steps=100_000,
+                   log_every=100, ckpt_every=5_000, sample_every=5_000),
+    "mnist": dict(size="T", patch=4, batch_size=128, ema_decay=0.999, steps=3_000,
+                  log_every=20, ckpt_every=500, sample_every=500),
+}
+
+# Settings that define a run: resuming with different ones would silently train something else.
+RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale", "batch_size",
+                "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
+
+
+def setup_distributed(args):
+    """Join the other processes of a multi-host run: automatic on Cloud TPU pods (and SLURM), or by
+    --coordinator/--num-processes/--process-id (or JAX's own environment variables) elsewhere."""
+    if args.coordinator or args.num_processes:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost" or "SLURM_JOB_ID" in os.environ:
+        jax.distributed.initialize()
+
+
+def compute_dtype(precision):
+    return {"bf16": jnp.bfloat16, "fp32": jnp.float32}[precision]
+
+
+def check_run_dir(run_dir, settings):
+    """A run directory holds one run: refuse to resume one whose defining settings differ."""
+    path = os.path.join(run_dir, "run.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), settings[k]) for k in RUN_DEFINING if old.get(k) != settings[k]}
+        if diff:
+            changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+            raise SystemExit(f"{run_dir} holds another run ({changes}). Use another --run-dir, or the same settings "
+                             f"to resume it.")
+    elif jax.process_index() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
+
+
+def train(args):
+    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one."""
+    mesh = make_mesh()
+    if args.batch_size % jax.device_count():
+        raise SystemExit(f"--batch-size {args.batch_size} does not split over {jax.device_count()} devices; "
+                         f"use a multiple of {jax.device_count()}")
+    ds = load_dataset(args.dataset, args.data_dir, args.resolution)
+    H, W, C = ds.input_shape
+    cfg = dit_config(f"{args.size}/{args.patch}", input_size=(H, W) if H != W else H, in_channels=C,
+                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
+    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
+    settings = {k: getattr(args, k) for k in RUN_DEFINING}
+    check_run_dir(args.run_dir, settings)
+    meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
+            "latent_scale": ds.latent_scale,
+            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
+                          "loc": args.ln_loc, "scale": args.ln_scale}}
+    dtype = compute_dtype(args.precision)
+    tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
+    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat)
+    if list_checkpoints(args.run_dir):
+        path = list_checkpoints(args.run_dir)[-1]
+        _, arrays = read_checkpoint(path)
+        state = restore_state(arrays, state, shardings, path)
+        print(f"resumed {path}")
+    start = int(state["step"])
+    print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
+          f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} parameters, "
+          f"{jax.device_count()} devices, {jax.process_count()} processes, {args.precision}")
+
+    batch = NamedSharding(mesh, P("data"))
+    step_fn = jax.jit(make_train_step(graphdef, objective, tx, args.ema_decay, args.seed),
+                      in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
+    vae = load_vae(args.vae) if ds.is_latent else None
+    grid_n = math.ceil(16 / jax.device_count()) * jax.device_count()
+    grid_noise, grid_labels = fixed_noise(jax.random.key(args.seed + 1), grid_n, (H, W, C), ds.num_classes)
+    ema_model = nnx.merge(graphdef, state["ema"])
+    sample_method = "euler" if args.objective == "rf" else "ddpm"
+    grid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
+                           cfg_scale=args.cfg_scale if ds.num_classes else 1.0, vae=vae, latent_scale=ds.latent_scale)
+    fid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
+                          cfg_scale=args.fid_cfg_scale if ds.num_classes else 1.0, vae=vae,
+                          latent_scale=ds.latent_scale) if args.fid_every or args.final_fid else None
+    fid_ref = args.fid_ref or (os.path.join(args.data_dir, "fid_stats.npz") if args.dataset == "imagenet100" else None)
+
+    def log(record):
+        if jax.process_index() == 0:
+            with open(os.path.join(args.run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run_fid(step, n):
+        if not (fid_ref and os.path.exists(fid_ref)):
+            print(f"no FID reference statistics ({fid_ref}); pass --fid-ref")
+            return
+        images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
+        result = evaluate_samples(images, fid_ref, args.inception)
+        log({"step": step, f"fid{n // 1000}k": result["fid"], "inception_score": result["inception_score"]})
+        print(f"step {step}: FID-{n // 1000}K {result['fid']:.2f}, IS {result['inception_score']:.2f}")
+
+    loader = Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count())
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=jax.process_index() != 0)
+    pending, t0 = [], time.perf_counter()
+    try:
+        for step, (x, y) in zip(bar, loader):
+            x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
+            y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
+            state, metrics = step_fn(state, x, y)
+            pending.append(metrics)
+            done = step + 1
+            if done % args.log_every == 0 or done == args.steps or done % args.ckpt_every == 0:
+                # Reading the loss waits for the device, so it is done once per logging interval.
+                losses = [float(m["loss"]) for m in pending]
+                bad = [s for s, v in zip(range(done - len(losses), done), losses) if not math.isfinite(v)]
+                if bad:
+                    raise FloatingPointError(f"the loss became {losses[bad[0] - done + len(losses)]} at step "
+                                             f"{bad[0] + 1}; the last good checkpoint is kept in {args.run_dir}")
+                seconds = (time.perf_counter() - t0) / len(pending)
+                record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": float(pending[-1]["grad_norm"]),
+                          "lr": float(schedule(done)), "images_per_s": args.batch_size / seconds,
+                          "s_per_step": seconds}
+                log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+                pending, t0 = [], time.perf_counter()
+            if done % args.ckpt_every == 0 or done == args.steps:
+                save_checkpoint(args.run_dir, state, meta, args.keep)
+            if done % args.sample_every == 0 or done == args.steps:
+                images = grid_sampler(state["ema"], grid_noise, grid_labels, jax.random.key(args.seed + 2))
+                if jax.process_index() == 0:
+                    save_grid(images, os.path.join(args.run_dir, "samples", f"step_{done:07d}.png"))
+            if args.fid_every and done % args.fid_every == 0:
+                run_fid(done, args.fid_samples)
+    finally:
+        loader.close()
+    if jax.process_index() == 0 and list_checkpoints(args.run_dir):
+        print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], os.path.join(args.run_dir, "ema.safetensors")))
+    if args.final_fid:
+        run_fid(args.steps, args.final_fid)
+    return state
+
+
+#################################################################################
 #                            Sampling and evaluation                            #
 #################################################################################
 
@@ -1929,160 +2079,6 @@ def evaluate_samples(images, ref, inception=None):
     if share.shape[-1] == 1:  # grayscale (MNIST): Inception takes RGB
         share = np.repeat(share, 3, axis=-1)
     return fid.evaluate(share, ref_stats=ref, inception=fid.load_inception(inception))
-
-
-#################################################################################
-#                                 Training loop                                 #
-#################################################################################
-
-# What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 follows the
-# paper (DiT-S/2 on 32x32x4 latents, batch 256, EMA 0.9999, 400K steps); the small pixel datasets get
-# a recipe that shows recognisable samples within minutes, which a 0.9999 EMA would hide for hours.
-RECIPES = {
-    "imagenet100": dict(size="S", patch=2, batch_size=256, ema_decay=0.9999, steps=400_000,
-                        log_every=100, ckpt_every=10_000, sample_every=10_000),
-    "cifar10": dict(size="S", patch=2, batch_size=128, ema_decay=0.9999, steps=200_000,
-                    log_every=100, ckpt_every=10_000, sample_every=5_000),
-    "folder": dict(size="S", patch=2, batch_size=128, ema_decay=0.9999, steps=100_000,
-                   log_every=100, ckpt_every=5_000, sample_every=5_000),
-    "mnist": dict(size="T", patch=4, batch_size=128, ema_decay=0.999, steps=3_000,
-                  log_every=20, ckpt_every=500, sample_every=500),
-}
-# A size not in the paper, for CPU demos and tests.
-DIT_SIZES["T"] = dict(hidden_size=256, depth=6, num_heads=4)
-
-# Settings that define a run: resuming with different ones would silently train something else.
-RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale", "batch_size",
-                "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
-
-
-def setup_distributed(args):
-    """Join the other processes of a multi-host run: automatic on Cloud TPU pods (and SLURM), or by
-    --coordinator/--num-processes/--process-id (or JAX's own environment variables) elsewhere."""
-    if args.coordinator or args.num_processes:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost" or "SLURM_JOB_ID" in os.environ:
-        jax.distributed.initialize()
-
-
-def compute_dtype(precision):
-    return {"bf16": jnp.bfloat16, "fp32": jnp.float32}[precision]
-
-
-def check_run_dir(run_dir, settings):
-    """A run directory holds one run: refuse to resume one whose defining settings differ."""
-    path = os.path.join(run_dir, "run.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), settings[k]) for k in RUN_DEFINING if old.get(k) != settings[k]}
-        if diff:
-            changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise SystemExit(f"{run_dir} holds another run ({changes}). Use another --run-dir, or the same settings "
-                             f"to resume it.")
-    elif jax.process_index() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
-
-
-def train(args):
-    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one."""
-    mesh = make_mesh()
-    if args.batch_size % jax.device_count():
-        raise SystemExit(f"--batch-size {args.batch_size} does not split over {jax.device_count()} devices; "
-                         f"use a multiple of {jax.device_count()}")
-    ds = load_dataset(args.dataset, args.data_dir, args.resolution)
-    H, W, C = ds.input_shape
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=(H, W) if H != W else H, in_channels=C,
-                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
-    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
-    settings = {k: getattr(args, k) for k in RUN_DEFINING}
-    check_run_dir(args.run_dir, settings)
-    meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
-            "latent_scale": ds.latent_scale,
-            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
-                          "loc": args.ln_loc, "scale": args.ln_scale}}
-    dtype = compute_dtype(args.precision)
-    tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
-    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat)
-    if list_checkpoints(args.run_dir):
-        path = list_checkpoints(args.run_dir)[-1]
-        _, arrays = read_checkpoint(path)
-        state = restore_state(arrays, state, shardings, path)
-        print(f"resumed {path}")
-    start = int(state["step"])
-    print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
-          f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} parameters, "
-          f"{jax.device_count()} devices, {jax.process_count()} processes, {args.precision}")
-
-    batch = NamedSharding(mesh, P("data"))
-    step_fn = jax.jit(make_train_step(graphdef, objective, tx, args.ema_decay, args.seed),
-                      in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
-    vae = load_vae(args.vae) if ds.is_latent else None
-    grid_n = math.ceil(16 / jax.device_count()) * jax.device_count()
-    grid_noise, grid_labels = fixed_noise(jax.random.key(args.seed + 1), grid_n, (H, W, C), ds.num_classes)
-    ema_model = nnx.merge(graphdef, state["ema"])
-    sample_method = "euler" if args.objective == "rf" else "ddpm"
-    grid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
-                           cfg_scale=args.cfg_scale if ds.num_classes else 1.0, vae=vae, latent_scale=ds.latent_scale)
-    fid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
-                          cfg_scale=args.fid_cfg_scale if ds.num_classes else 1.0, vae=vae,
-                          latent_scale=ds.latent_scale) if args.fid_every or args.final_fid else None
-    fid_ref = args.fid_ref or (os.path.join(args.data_dir, "fid_stats.npz") if args.dataset == "imagenet100" else None)
-
-    def log(record):
-        if jax.process_index() == 0:
-            with open(os.path.join(args.run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def run_fid(step, n):
-        if not (fid_ref and os.path.exists(fid_ref)):
-            print(f"no FID reference statistics ({fid_ref}); pass --fid-ref")
-            return
-        images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
-        result = evaluate_samples(images, fid_ref, args.inception)
-        log({"step": step, f"fid{n // 1000}k": result["fid"], "inception_score": result["inception_score"]})
-        print(f"step {step}: FID-{n // 1000}K {result['fid']:.2f}, IS {result['inception_score']:.2f}")
-
-    loader = Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count())
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=jax.process_index() != 0)
-    pending, t0 = [], time.perf_counter()
-    try:
-        for step, (x, y) in zip(bar, loader):
-            x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
-            y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
-            state, metrics = step_fn(state, x, y)
-            pending.append(metrics)
-            done = step + 1
-            if done % args.log_every == 0 or done == args.steps or done % args.ckpt_every == 0:
-                # Reading the loss waits for the device, so it is done once per logging interval.
-                losses = [float(m["loss"]) for m in pending]
-                bad = [s for s, v in zip(range(done - len(losses), done), losses) if not math.isfinite(v)]
-                if bad:
-                    raise FloatingPointError(f"the loss became {losses[bad[0] - done + len(losses)]} at step "
-                                             f"{bad[0] + 1}; the last good checkpoint is kept in {args.run_dir}")
-                seconds = (time.perf_counter() - t0) / len(pending)
-                record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": float(pending[-1]["grad_norm"]),
-                          "lr": float(schedule(done)), "images_per_s": args.batch_size / seconds,
-                          "s_per_step": seconds}
-                log(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-                pending, t0 = [], time.perf_counter()
-            if done % args.ckpt_every == 0 or done == args.steps:
-                save_checkpoint(args.run_dir, state, meta, args.keep)
-            if done % args.sample_every == 0 or done == args.steps:
-                images = grid_sampler(state["ema"], grid_noise, grid_labels, jax.random.key(args.seed + 2))
-                if jax.process_index() == 0:
-                    save_grid(images, os.path.join(args.run_dir, "samples", f"step_{done:07d}.png"))
-            if args.fid_every and done % args.fid_every == 0:
-                run_fid(done, args.fid_samples)
-    finally:
-        loader.close()
-    if jax.process_index() == 0 and list_checkpoints(args.run_dir):
-        print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], os.path.join(args.run_dir, "ema.safetensors")))
-    if args.final_fid:
-        run_fid(args.steps, args.final_fid)
-    return state
 
 
 #################################################################################

@@ -5,6 +5,14 @@ The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Train
 Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by pytorch-fid
 (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file directly, without
 torch, through a restricted unpickler that is also used to read DiT checkpoints and other pickles.
+
+    python fid.py stats FOLDER_OR_NPZ OUT.npz     # reference statistics (mu, sigma), pytorch-fid's format
+    python fid.py fid samples.npz ref_stats.npz   # FID-10K of DiT samples (sample_ddp.py's arr_0 layout)
+    python fid.py is samples.npz                  # Inception Score
+    python fid.py bench                           # images/s of the feature extractor
+
+From Python: `evaluate(images, ref_stats)` for uint8 (N, H, W, 3) arrays, `image_statistics` for folders
+and .npz files, `InceptionFeatures` to stream batches as they are generated.
 """
 
 import argparse
@@ -109,6 +117,7 @@ class _Tensor:
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
                        metadata=None):
+    """What torch calls to rebuild a tensor; here it only records where the tensor's elements are."""
     return _Tensor(storage, storage_offset, size, stride)
 
 
@@ -342,6 +351,7 @@ def avg_pool_3x3(x):
 
 
 def max_pool_3x3(x, stride, padding=0):
+    """3x3 max pooling; padding (where used) never wins, as in torch's max_pool2d."""
     return nnx.max_pool(x, (3, 3), (stride, stride), padding=((padding, padding), (padding, padding)))
 
 
@@ -430,7 +440,7 @@ class InceptionE(nnx.Module):
     """
 
     def __init__(self, in_channels, pool, *, rngs):
-        self.pool = {"avg": avg_pool_3x3, "max": lambda x: max_pool_3x3(x, 1, padding=1)}[pool]
+        self.pool = pool  # "avg" or "max"
         self.branch1x1 = BasicConv2d(in_channels, 320, 1, rngs=rngs)
         self.branch3x3_1 = BasicConv2d(in_channels, 384, 1, rngs=rngs)
         self.branch3x3_2a = BasicConv2d(384, 384, (1, 3), padding=(0, 1), rngs=rngs)
@@ -447,7 +457,8 @@ class InceptionE(nnx.Module):
         branch3x3dbl = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
         branch3x3dbl = jnp.concatenate([self.branch3x3dbl_3a(branch3x3dbl), self.branch3x3dbl_3b(branch3x3dbl)],
                                        axis=-1)
-        branch_pool = self.branch_pool(self.pool(x))
+        pooled = avg_pool_3x3(x) if self.pool == "avg" else max_pool_3x3(x, 1, padding=1)
+        branch_pool = self.branch_pool(pooled)
         return jnp.concatenate([self.branch1x1(x), branch3x3, branch3x3dbl, branch_pool], axis=-1)
 
 
@@ -560,6 +571,13 @@ def _convert_torch_weights(state_dict, source):
     return params
 
 
+def _torch_key(key):
+    """"Mixed_5b/branch1x1/bn/mean" -> "Mixed_5b.branch1x1.bn.running_mean", the inverse of the renaming above."""
+    *module, name = key.split("/")
+    name = {"kernel": "weight", "scale": "weight", "mean": "running_mean", "var": "running_var"}.get(name, name)
+    return ".".join([*module, name])
+
+
 def _build_inception(params, source):
     """An InceptionV3 holding `params`, after checking that they are exactly the ones it needs."""
     abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))  # shapes only, nothing initialised
@@ -569,9 +587,8 @@ def _build_inception(params, source):
     unexpected = sorted(set(params) - set(expected))
     wrong = sorted(k for k in set(expected) & set(params) if params[k].shape != expected[k])
     if missing or unexpected or wrong:
-        def show(keys):  # the first few, in torch's dotted naming
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            return ", ".join(k.replace("/", ".") for k in keys[:3]) + more
+        def show(keys):  # the first few, named as in the torch file
+            return ", ".join(map(_torch_key, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
         problems = [f"{label}: {show(keys)}" for label, keys in
                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
         raise ValueError(f"{source}: not pytorch-fid's FID Inception weights ({'; '.join(problems)}). "
@@ -784,12 +801,12 @@ class InceptionFeatures:
         if len(shapes) > 1:
             raise ValueError(f"images of different sizes {sorted(shapes)}: FID needs images of one size; "
                              f"resize or crop them all to the same height and width first")
-        if not shapes:
+        most = sizes[:, 0].max()
+        if most == 0:
             return
         self.image_shape = shapes.pop()
         local_devices = jax.local_device_count()
         # A batch no larger than needed (small evaluations do not compute padding), a multiple of the devices.
-        most = sizes[:, 0].max()
         batch = min(self.per_device, -(-most // local_devices)) * local_devices
         steps = -(-most // batch)
         pending = None
@@ -979,8 +996,9 @@ def main(argv=None):
         nonlocal inception
         if _is_statistics_file(source) and not need_images:
             return load_statistics(source) + (None,)
+        images = load_images(source)  # bad sources fail before the weights are fetched
         inception = inception or load_inception(args.weights)
-        out = image_statistics(load_images(source), inception, args.batch_size)
+        out = image_statistics(images, inception, args.batch_size)
         say(f"{source}: {out['count']} images")
         return out["mu"], out["sigma"], out["logits"]
 
