@@ -15,7 +15,6 @@ Run `python dit.py --help`, or from a notebook `import dit; dit.main(["--size", 
 import argparse
 import dataclasses
 import gzip
-import hashlib
 import http.client
 import itertools
 import json
@@ -27,7 +26,6 @@ import struct
 import sys
 import tarfile
 import time
-import urllib.request
 import warnings
 import zlib
 from collections import deque
@@ -1041,30 +1039,19 @@ def load_vae_weights(model, tensors, source="the weight file"):
     return model
 
 
-def _download(url, dest):
-    """Fetch url to dest through a temporary file, so an interrupted download never looks complete."""
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    print(f"downloading {url} -> {dest}")
-    tmp = dest + ".part"
-    with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
-        while chunk := r.read(1 << 20):
-            f.write(chunk)
-    os.replace(tmp, dest)
-
-
 def load_vae(source="ema", cache_dir=None):
     """Build the AutoencoderKL with released weights. `source`: "ema" or "mse" (stabilityai/sd-vae-ft-ema
     or -mse, downloaded into `cache_dir`, default $DIT_CACHE or ~/.cache/dit-jax, when missing), a diffusers
     folder (config.json + diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside
     it is used when present, else the SD VAE's configuration)."""
     if source in ("ema", "mse"):
-        cache_dir = cache_dir or os.environ.get("DIT_CACHE") or os.path.expanduser("~/.cache/dit-jax")
+        cache_dir = cache_dir or fid.default_cache_dir()
         folder = os.path.join(cache_dir, f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
             dest = os.path.join(folder, fname)
             if not os.path.exists(dest):
                 try:
-                    _download(SD_VAE_URL.format(source, fname), dest)
+                    fid.download(SD_VAE_URL.format(source, fname), dest)
                 except (OSError, http.client.HTTPException) as e:
                     raise RuntimeError(
                         f"cannot download {SD_VAE_URL.format(source, fname)} ({e}). Download config.json and "
@@ -1141,35 +1128,7 @@ class Dataset:
 
 def default_data_dir(name: str) -> str:
     """Where a dataset lives (and is downloaded to) unless data_dir says otherwise."""
-    cache = os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
-    return os.path.join(cache, "datasets", name)
-
-
-def download(url: str, path: str, md5: str):
-    """Fetch url into path and check its published MD5. The bytes go to a temporary file that is renamed only once
-    complete and verified, so an interrupted or corrupted download never passes for the real file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp, digest = path + ".part", hashlib.md5()
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
-                while chunk := response.read(1 << 20):
-                    f.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-    except OSError as e:  # urllib's URLError and socket timeouts are OSErrors too
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise FileNotFoundError(
-            f"could not download {url} ({e}). Without network access, download it elsewhere and put it at "
-            f"{path} (or pass --data-dir with a folder that holds it).") from e
-    if digest.hexdigest() != md5:
-        os.remove(tmp)
-        raise ValueError(f"the download of {url} is corrupted: its MD5 is {digest.hexdigest()}, the published one "
-                         f"is {md5}. Try again, or put a good copy at {path}.")
-    os.replace(tmp, path)
+    return os.path.join(fid.default_cache_dir(), "datasets", name)
 
 
 def _check_resolution(name: str, native: int, resolution: int | None):
@@ -1237,7 +1196,7 @@ def _load_mnist(data_dir: str) -> Dataset:
             images, labels = test_images, test_labels
         else:
             for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-                download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name])
+                fid.download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name], "md5")
             images = os.path.join(data_dir, "train-images-idx3-ubyte.gz")
             labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
     x, y = read_idx(images), read_idx(labels)
@@ -1293,7 +1252,7 @@ def _cifar_pickles(data_dir: str) -> dict[str, dict]:
             return found
     archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
     if not os.path.exists(archive):
-        download(_CIFAR_URL, archive, _CIFAR_MD5)
+        fid.download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
     found = {}
     try:
         with tarfile.open(archive, "r:gz") as tar:

@@ -520,35 +520,39 @@ FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb
 
 
 def default_cache_dir():
+    """Where downloaded weights and datasets go: $DIT_CACHE, or ~/.cache/dit-jax."""
     return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
 
 
-def _sha256(path):
-    digest = hashlib.sha256()
+def file_digest(path, algorithm="sha256"):
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, algorithm).hexdigest()
 
 
-def _download_weights(dest):
-    """Fetch pytorch-fid's weights into `dest`, checking the sha256 before the file takes its final name."""
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    partial = dest + ".part"
+def download(url, path, digest=None, algorithm="sha256"):
+    """Fetch url into path. The bytes go to a temporary file that takes the final name only once complete
+    and, when a published digest is given, verified: an interrupted or damaged download never passes for
+    the real file. Used for the Inception weights here and for the VAE and datasets in dit.py."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp, hasher = path + ".part", hashlib.new(algorithm)
     try:
-        with urllib.request.urlopen(FID_WEIGHTS_URL, timeout=30) as response, open(partial, "wb") as f:
+        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {FID_WEIGHTS_NAME}") as bar:
-                for chunk in iter(lambda: response.read(1 << 20), b""):
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
+                while chunk := response.read(1 << 20):
                     f.write(chunk)
+                    hasher.update(chunk)
                     bar.update(len(chunk))
-    except OSError as e:
-        raise RuntimeError(f"could not download the FID Inception weights from {FID_WEIGHTS_URL} ({e}). Download "
-                           f"that file by hand and pass it with --weights PATH (or put it at {dest})") from None
-    if _sha256(partial) != FID_WEIGHTS_SHA256:
-        os.remove(partial)
-        raise RuntimeError(f"the download from {FID_WEIGHTS_URL} has the wrong sha256 (damaged in transit?); try again")
-    os.replace(partial, dest)
+    except OSError as e:  # urllib's URLError and socket timeouts are OSErrors too
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise FileNotFoundError(f"could not download {url} ({e}). Without network access, download it elsewhere "
+                                f"and put it at {path}") from None
+    if digest is not None and hasher.hexdigest() != digest:
+        os.remove(tmp)
+        raise ValueError(f"the download of {url} is corrupted: its {algorithm} is {hasher.hexdigest()}, the "
+                         f"published one is {digest}. Try again, or put a good copy at {path}")
+    os.replace(tmp, path)
 
 
 def _convert_torch_weights(state_dict, source):
@@ -610,11 +614,11 @@ def load_inception(path=None, cache_dir=None):
     if path is None:
         path = os.path.join(cache_dir, FID_WEIGHTS_NAME)
         if not os.path.exists(path):
-            _download_weights(path)
+            download(FID_WEIGHTS_URL, path, FID_WEIGHTS_SHA256)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's {FID_WEIGHTS_NAME} "
                                 f"(from {FID_WEIGHTS_URL}) or leave the path out to download it")
-    digest = _sha256(path)
+    digest = file_digest(path)
     if digest != FID_WEIGHTS_SHA256:
         if os.path.basename(path) == FID_WEIGHTS_NAME:
             raise ValueError(f"{path}: sha256 {digest} differs from the official {FID_WEIGHTS_SHA256}; the file is "

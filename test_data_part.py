@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dit import Dataset, Loader, download, load_dataset, read_idx
+import fid
+from dit import Dataset, Loader, load_dataset, read_idx
 from dit import center_crop_arr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -122,11 +123,11 @@ def test_download_verifies_checksum(tmp_path, monkeypatch):
     payload = os.urandom(3000)
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: FakeResponse(payload))
     path = tmp_path / "sub" / "file.bin"
-    download("https://example.invalid/file.bin", str(path), hashlib.md5(payload).hexdigest())
+    fid.download("https://example.invalid/file.bin", str(path), hashlib.md5(payload).hexdigest(), "md5")
     assert path.read_bytes() == payload
     bad = tmp_path / "bad.bin"
     with pytest.raises(ValueError, match="corrupted"):
-        download("https://example.invalid/file.bin", str(bad), "0" * 32)
+        fid.download("https://example.invalid/file.bin", str(bad), "0" * 32, "md5")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]  # neither the file nor a partial one is left
 
 

@@ -148,8 +148,7 @@ def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
     folder, fetched = fixture("vae_reference"), []
 
     class Response(io.BytesIO):
-        def __enter__(self):
-            return self
+        headers = {}
 
     def fake_urlopen(url, timeout=None):
         fetched.append(url)
