@@ -1,0 +1,2010 @@
+"""Tests of dit.py, fid.py and prepare_imagenet100.py.
+
+Parity tests compare against reference vectors made by running the official implementations
+(facebookresearch/DiT, pytorch-fid, diffusers); they read them from $DIT_FIXTURES when it is set, else
+from fixtures/, and skip, naming the file, when it is in neither. Tests on real images read $DIT_DATA.
+Run: python -m pytest -q test_dit.py
+"""
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+from flax import nnx
+
+import dit
+import fid
+import prepare_imagenet100
+from dit import (AutoencoderKL, center_crop_arr, Dataset, GaussianDiffusion, load_dataset, load_vae,
+                 load_vae_weights, Loader, read_idx, read_safetensors, RectifiedFlow, space_timesteps,
+                 vae_torch_names, VAEConfig)
+from fid import UnsafePickleError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fixture(name):
+    """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/; skip if in neither."""
+    for d in (os.environ.get("DIT_FIXTURES"), os.path.join(HERE, "fixtures")):
+        if d and os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    pytest.skip(f"reference file {name!r} is in neither $DIT_FIXTURES nor fixtures/")
+
+
+def data(name):
+    """Path of real images under $DIT_DATA; skip when it is not set."""
+    d = os.environ.get("DIT_DATA")
+    if not d or not os.path.exists(os.path.join(d, name)):
+        pytest.skip(f"{name!r} needs $DIT_DATA (the shared real-image folder)")
+    return os.path.join(d, name)
+
+
+def rel_err(ours, ref):
+    """|ours - ref| / |ref| with norms over the whole array, the measure the fixtures README uses."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def nhwc(a):
+    """PyTorch's NCHW reference arrays -> our NHWC."""
+    return jnp.asarray(np.asarray(a).transpose(0, 2, 3, 1))
+
+
+def nchw(a):
+    return np.asarray(a).transpose(0, 3, 1, 2)
+
+
+#################################################################################
+#                                 The DiT model                                 #
+#################################################################################
+# Tests of the DiT model against the official facebookresearch/DiT (dit_reference.{pt,npz}).
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = np.load(fixture("dit_reference.npz"))
+    cfg = dit.DiTConfig(**json.loads(str(ref["config"])))
+    return ref, cfg, dit.load_dit_checkpoint(fixture("dit_reference.pt"), cfg)
+
+
+def test_model_output_matches_official(reference):
+    ref, _, model = reference
+    out = model(nhwc(ref["x"]), jnp.asarray(ref["t"]), jnp.asarray(ref["y"]))
+    assert rel_err(nchw(out), ref["out"]) < 1e-5
+
+
+def test_cfg_forward_matches_official(reference):
+    ref, _, model = reference
+    out = model.forward_with_cfg(nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]), jnp.asarray(ref["cfg_y"]),
+                                 float(ref["cfg_scale"]), guidance_channels=3)
+    assert rel_err(nchw(out), ref["cfg_out"]) < 1e-5
+
+
+def test_cfg_all_channels_and_interval(reference):
+    """Guidance on all channels changes the 4th noise channel and never the variance; outside the
+    guidance interval the output is the conditional prediction."""
+    ref, cfg, model = reference
+    x, t, y = nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]), jnp.asarray(ref["cfg_y"])
+    three = np.asarray(model.forward_with_cfg(x, t, y, 4.0, guidance_channels=3))
+    every = np.asarray(model.forward_with_cfg(x, t, y, 4.0))
+    C = cfg.in_channels
+    np.testing.assert_array_equal(three[..., :3], every[..., :3])
+    assert not np.allclose(three[..., 3], every[..., 3])
+    np.testing.assert_array_equal(three[..., C:], every[..., C:])
+    half = x[:2]
+    cond = np.asarray(model(jnp.concatenate([half, half]), t, y))
+    outside = np.asarray(model.forward_with_cfg(x, t, y, 4.0, interval=(300.0, 1000.0)))  # t = 250 is outside
+    np.testing.assert_allclose(outside[:2], cond[:2], rtol=1e-6, atol=1e-6)
+    inside = np.asarray(model.forward_with_cfg(x, t, y, 4.0, interval=(200.0, 1000.0)))
+    np.testing.assert_allclose(inside, every, rtol=1e-6, atol=1e-6)
+
+
+def test_position_table_is_the_official_one(reference):
+    ref, cfg, _ = reference
+    state = dit.load_torch(fixture("dit_reference.pt"))
+    np.testing.assert_allclose(dit.sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid), state["pos_embed"][0], atol=1e-6)
+
+
+def test_config_is_inferred_from_official_sizes(reference, tmp_path):
+    ref, cfg, _ = reference
+    with pytest.raises(ValueError, match="pass a DiTConfig"):  # hidden size 96 is not an official size
+        dit.load_dit_checkpoint(fixture("dit_reference.pt"))
+    state = dit.load_torch(fixture("dit_reference.pt"))
+    inferred = dit.infer_dit_config({**state, "x_embedder.proj.weight": np.zeros((384, 4, 2, 2), np.float32)})
+    assert (inferred.num_heads, inferred.depth, inferred.num_classes, inferred.learn_sigma) == (6, cfg.depth, 10, True)
+    assert (inferred.input_size, inferred.patch_size, inferred.in_channels) == (16, 2, 4)
+
+
+def test_wrong_size_checkpoint_is_refused(reference):
+    _, cfg, _ = reference
+    with pytest.raises(ValueError, match="another model size"):
+        dit.load_dit_checkpoint(fixture("dit_reference.pt"), dataclasses.replace(cfg, mlp_ratio=2.0))
+    with pytest.raises(ValueError, match="lacks"):
+        dit.load_dit_checkpoint(fixture("dit_reference.pt"), dataclasses.replace(cfg, depth=cfg.depth + 1))
+
+
+def test_parameter_counts_equal_the_official_ones():
+    """The official counts (32,963,360 for DiT-S/2 and 675,129,632 for DiT-XL/2) include the fixed
+    position table, which PyTorch stores as a frozen parameter. XL/2 is never allocated."""
+    for name, official in [("S/2", 32_963_360), ("XL/2", 675_129_632)]:
+        cfg = dit.dit_config(name)
+        model = nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0)))
+        T = cfg.grid[0] * cfg.grid[1]
+        assert dit.count_params(model) + T * cfg.hidden_size == official, name
+
+
+def test_official_initialisation():
+    cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=2, num_heads=4, num_classes=10)
+    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
+    # adaLN-Zero: every modulation and the output layer start at zero, so each block is the identity
+    for blk in model.blocks:
+        assert not np.any(blk.adaLN_modulation.layers[1].kernel[...])
+    assert not np.any(model.final_layer.linear.kernel[...])
+    out = model(jnp.ones((2, 8, 8, 4)), jnp.array([3.0, 7.0]), jnp.array([1, 10]))
+    assert out.shape == (2, 8, 8, 8) and not np.any(np.asarray(out))
+    # embeddings normal(0.02); Xavier-uniform bound sqrt(6 / (fan_in + fan_out)) for the linears
+    assert np.std(model.y_embedder.embedding_table.embedding[...]) == pytest.approx(0.02, rel=0.15)
+    assert np.std(model.t_embedder.mlp.layers[0].kernel[...]) == pytest.approx(0.02, rel=0.1)
+    qkv = np.asarray(model.blocks[0].attn.qkv.kernel[...])
+    assert np.abs(qkv).max() <= np.sqrt(6 / (64 + 192)) and np.abs(qkv).max() > 0.9 * np.sqrt(6 / (64 + 192))
+    patch = np.asarray(model.x_embedder.proj.kernel[...])  # fan-in is the flattened 2x2x4 patch
+    assert np.abs(patch).max() <= np.sqrt(6 / (16 + 64)) and np.abs(patch).max() > 0.8 * np.sqrt(6 / (16 + 64))
+    assert model.y_embedder.embedding_table.embedding[...].shape == (11, 64)  # the extra null label
+
+
+def test_any_input_size_channels_and_unconditional():
+    cfg = dit.DiTConfig(input_size=(8, 12), patch_size=4, in_channels=1, hidden_size=32, depth=1, num_heads=2,
+                        num_classes=0, learn_sigma=False)
+    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
+    assert not hasattr(model, "y_embedder")
+    assert model(jnp.ones((3, 8, 12, 1)), jnp.ones(3), jnp.zeros(3, jnp.int32)).shape == (3, 8, 12, 1)
+    with pytest.raises(ValueError, match="not divisible by the patch size"):
+        dit.DiTConfig(input_size=10, patch_size=4).grid
+
+
+def test_label_dropout_uses_the_null_label(reference):
+    _, cfg, model = reference
+    y = jnp.arange(64) % cfg.num_classes
+    emb = model.y_embedder(y, jax.random.key(0))
+    null = model.y_embedder.embedding_table.embedding[...][cfg.num_classes]
+    dropped = np.all(np.isclose(np.asarray(emb), np.asarray(null)), axis=1)
+    assert 0 < dropped.sum() < 64 * 0.3  # class_dropout_prob 0.1 of 64
+    np.testing.assert_array_equal(np.asarray(model.y_embedder(y)), np.asarray(model.y_embedder.embedding_table(y)))
+
+
+def test_remat_and_bf16_match_fp32(reference):
+    ref, cfg, model = reference
+    x, t, y = nhwc(ref["x"]), jnp.asarray(ref["t"]), jnp.asarray(ref["y"])
+    params = nnx.state(model, nnx.Param)
+    graphdef = nnx.graphdef(model)
+    remat = nnx.graphdef(dit.DiT(cfg, remat=True, rngs=nnx.Rngs(0)))
+    half = nnx.graphdef(dit.DiT(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+
+    def loss(g, p):
+        return jnp.mean(nnx.merge(g, p)(x, t, y) ** 2)
+
+    l0, g0 = jax.jit(jax.value_and_grad(lambda p: loss(graphdef, p)))(params)
+    l1, g1 = jax.jit(jax.value_and_grad(lambda p: loss(remat, p)))(params)
+    l2, _ = jax.jit(jax.value_and_grad(lambda p: loss(half, p)))(params)
+    assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert float(l2) == pytest.approx(float(l0), rel=2e-2)  # bfloat16 keeps 8 bits of mantissa
+
+
+def test_everything_jit_compiles(reference):
+    ref, _, model = reference
+    f = nnx.jit(lambda m, x, t, y: m.forward_with_cfg(x, t, y, 1.5, guidance_channels=3))
+    out = f(model, nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]), jnp.asarray(ref["cfg_y"]))
+    assert out.shape == nhwc(ref["cfg_out"]).shape
+
+
+def test_checkpoint_loader_refuses_code(tmp_path):
+    """A .pt whose pickle would call os.system is refused by name, and the command never runs."""
+    import zipfile
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "evil.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("evil/data.pkl", pickle.dumps({"x_embedder.proj.weight": Evil()}, protocol=2))
+    with pytest.raises(UnsafePickleError, match="system"):
+        dit.load_dit_checkpoint(str(path))
+    assert not marker.exists()
+
+
+#################################################################################
+#                            Objectives and samplers                            #
+#################################################################################
+# Tests of the objectives and samplers: DDPM against the official DiT's numbers (dit_reference.npz),
+# rectified flow and the DDPM samplers against the mathematics of Gaussian data.
+
+#################################################################################
+#                       Gaussian data: exact models                             #
+#################################################################################
+# Data x0 ~ N(M, S^2) in every dimension. Every noised variable below is a linear mix of x0 and an
+# independent eps ~ N(0, 1), so (x0, eps, x_t) are jointly Gaussian and the ideal network outputs,
+# conditional expectations given x_t, are affine in x_t: E[a | x_t] = E[a] + Cov(a, x_t) / Var(x_t) (x_t - E[x_t]).
+# The exact transport from noise to data along any such deterministic flow is then the monotone affine
+# map z -> M + S z, which gives a sample-by-sample target free of Monte-Carlo error.
+M, S = 1.5, 0.5
+N = 20000
+MEAN_TOL = 5 * S / np.sqrt(N)                 # 5 standard errors of a sample mean
+VAR_TOL = 5 * S ** 2 * np.sqrt(2 / N)         # 5 standard errors of a sample variance
+
+
+def rf_exact_velocity(x, t1000, m=M, s=S):
+    """E[eps - x0 | x_t] for x_t = (1 - t) x0 + t eps; the network is given 1000 t."""
+    t = (t1000 / 1000.0).reshape((-1,) + (1,) * (x.ndim - 1))
+    mean_t = (1 - t) * m
+    var_t = (1 - t) ** 2 * s ** 2 + t ** 2
+    cov_t = t - (1 - t) * s ** 2                      # Cov(eps - x0, x_t)
+    return -m + cov_t / var_t * (x - mean_t)
+
+
+def ddpm_alphas_cumprod():
+    """alpha-bar of Ho et al.'s linear schedule, beta from 1e-4 to 0.02 over 1000 steps."""
+    return np.cumprod(1.0 - np.linspace(1e-4, 0.02, 1000))
+
+
+def ddpm_exact_model(var_value):
+    """E[eps | x_t] for x_t = sqrt(abar) x0 + sqrt(1 - abar) eps, abar looked up at the ORIGINAL timestep
+    the model is given, plus a constant variance output. Fed respaced indices instead, it would be wrong."""
+    table = jnp.asarray(ddpm_alphas_cumprod(), jnp.float32)
+
+    def model_fn(x, t):
+        ab = table[t.astype(jnp.int32)].reshape(-1, 1, 1, 1)
+        var_t = ab * S ** 2 + 1 - ab
+        eps = jnp.sqrt(1 - ab) / var_t * (x - jnp.sqrt(ab) * M)
+        return jnp.concatenate([eps, jnp.full_like(eps, var_value)], axis=-1)
+    return model_fn
+
+
+@pytest.fixture(scope="module")
+def gaussian_noise():
+    z = jax.random.normal(jax.random.PRNGKey(0), (N, 1, 1, 1))
+    return z, M + S * z  # noise, and where the exact flow takes it
+
+
+#################################################################################
+#                             Rectified flow                                    #
+#################################################################################
+
+def moment_error(x, target):
+    return abs(float(x.mean() - target.mean())) + abs(float(x.var() - target.var()))
+
+
+def test_rf_euler_recovers_gaussian_and_converges(gaussian_noise):
+    z, target = gaussian_noise
+    rf = RectifiedFlow()
+    errors = [moment_error(rf.sample(rf_exact_velocity, z, n, "euler"), target) for n in (2, 4, 8, 16, 32, 64, 128)]
+    # first order: doubling the steps roughly halves the error
+    for coarse, fine in zip(errors, errors[1:]):
+        assert fine < 0.7 * coarse, errors
+    x = rf.sample(rf_exact_velocity, z, 128, "euler")
+    assert abs(float(x.mean()) - M) < MEAN_TOL
+    assert abs(float(x.var()) - S ** 2) < VAR_TOL + 0.005  # Euler's remaining bias at 128 steps is ~0.003
+
+
+def test_rf_heun_beats_euler_and_converges(gaussian_noise):
+    z, target = gaussian_noise
+    rf = RectifiedFlow()
+    heun, euler = [], []
+    for n in (2, 4, 8, 16):
+        heun.append(moment_error(rf.sample(rf_exact_velocity, z, n, "heun"), target))
+        euler.append(moment_error(rf.sample(rf_exact_velocity, z, n, "euler"), target))
+    assert all(h < 0.5 * e for h, e in zip(heun, euler)), (heun, euler)
+    assert all(fine < coarse for coarse, fine in zip(heun, heun[1:])), heun
+    x = rf.sample(rf_exact_velocity, z, 16, "heun")
+    assert abs(float(x.mean()) - M) < MEAN_TOL
+    assert abs(float(x.var()) - S ** 2) < VAR_TOL
+
+
+def test_rf_trajectory(gaussian_noise):
+    z = gaussian_noise[0][:8]
+    x, traj = RectifiedFlow().sample(rf_exact_velocity, z, 5, "heun", return_trajectory=True)
+    assert traj.shape == (6,) + z.shape
+    np.testing.assert_array_equal(traj[0], z)
+    np.testing.assert_array_equal(traj[-1], x)
+
+
+@pytest.mark.parametrize("sampling,loc,scale", [("logit_normal", 0.0, 1.0), ("uniform", 0.0, 1.0)])
+def test_rf_loss_of_exact_field(sampling, loc, scale):
+    """The exact field's expected loss is E_t[Var(eps - x0 | x_t)] = E_t[1 + S^2 - Cov^2 / Var(x_t)], and
+    any other field does worse."""
+    rf = RectifiedFlow(sampling, loc, scale)
+    x0 = M + S * jax.random.normal(jax.random.PRNGKey(1), (4096, 4, 4, 1))
+    key = jax.random.PRNGKey(2)
+    loss = float(rf.training_losses(rf_exact_velocity, x0, key)["loss"].mean())
+
+    # the expectation over t by quadrature: t = sigmoid(loc + scale n) with Gauss-Hermite nodes n, or uniform
+    if sampling == "logit_normal":
+        nodes, weights = np.polynomial.hermite_e.hermegauss(80)
+        t, w = 1 / (1 + np.exp(-(loc + scale * nodes))), weights / weights.sum()
+    else:
+        t = (np.arange(10000) + 0.5) / 10000
+        w = np.full_like(t, 1 / len(t))
+    residual = 1 + S ** 2 - (t - (1 - t) * S ** 2) ** 2 / ((1 - t) ** 2 * S ** 2 + t ** 2)
+    expected = float(np.sum(w * residual))
+    assert abs(loss - expected) < 0.02 * expected, (loss, expected)
+
+    wrong = float(rf.training_losses(lambda x, t: rf_exact_velocity(x, t, m=M + 0.3), x0, key)["loss"].mean())
+    assert wrong > loss + 0.05
+
+
+def test_rf_timestep_distributions():
+    n = 20000
+    loc, scale = 0.5, 1.2
+    t = np.asarray(RectifiedFlow("logit_normal", loc, scale).sample_timesteps(jax.random.PRNGKey(3), n))
+    assert t.shape == (n,) and np.all((t > 0) & (t < 1))
+    # the median of sigmoid(loc + scale n) is sigmoid(loc); its logit is N(loc, scale^2)
+    assert abs(np.mean(t < 1 / (1 + np.exp(-loc))) - 0.5) < 4 * np.sqrt(0.25 / n)
+    logit = np.log(t / (1 - t))
+    assert abs(logit.mean() - loc) < 5 * scale / np.sqrt(n)
+    assert abs(logit.std() - scale) < 0.05 * scale
+    u = np.asarray(RectifiedFlow("uniform").sample_timesteps(jax.random.PRNGKey(4), n))
+    assert np.all((u >= 0) & (u < 1)) and abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
+
+
+def test_rf_rejects_bad_input():
+    rf = RectifiedFlow()
+    x = jnp.zeros((2, 4, 4, 3))
+    learned_sigma_model = lambda x, t: jnp.concatenate([x, x], axis=-1)  # noqa: E731
+    with pytest.raises(ValueError, match="learn_sigma=False"):
+        rf.training_losses(learned_sigma_model, x, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="learn_sigma=False"):
+        rf.sample(learned_sigma_model, x, 2)
+    with pytest.raises(ValueError, match="'euler' or 'heun'"):
+        rf.sample(rf_exact_velocity, x, 2, method="rk4")
+    with pytest.raises(ValueError, match="positive int"):
+        rf.sample(rf_exact_velocity, x, 0)
+    with pytest.raises(ValueError, match="timestep_sampling"):
+        RectifiedFlow("cosine")
+
+
+#################################################################################
+#                   DDPM: schedule, respacing, mathematics                      #
+#################################################################################
+
+def test_space_timesteps_examples():
+    # the DDIM striding: every k-th step from 0
+    assert space_timesteps(1000, "ddim25") == list(range(0, 1000, 40))
+    assert space_timesteps(1000, "ddim50") == list(range(0, 1000, 20))
+    assert space_timesteps(1000, "1000") == list(range(1000))
+    # the official docstring's example: 300 steps in sections of 100 taking 10, 15 and 20 steps, each
+    # section's first and last step included
+    steps = space_timesteps(300, "10,15,20")
+    sections = [[s for s in steps if lo <= s < lo + 100] for lo in (0, 100, 200)]
+    assert [len(s) for s in sections] == [10, 15, 20]
+    assert sections[0] == list(range(0, 100, 11))  # stride 99 / 9 = 11 exactly
+    assert [(s[0], s[-1]) for s in sections] == [(0, 99), (100, 199), (200, 299)]
+    with pytest.raises(ValueError, match="no integer stride"):
+        space_timesteps(1000, "ddim999")
+    with pytest.raises(ValueError, match="cannot take"):
+        space_timesteps(300, "10,150,20")
+    with pytest.raises(ValueError, match="'ddimN'"):
+        space_timesteps(1000, "fast")
+
+
+@pytest.mark.parametrize("respacing", ["", "250", "ddim25", "10,15,20"])
+def test_respaced_chain_keeps_alpha_bar(respacing):
+    """Respacing keeps alpha-bar at the kept steps (Nichol & Dhariwal 2021, section 4)."""
+    diffusion = GaussianDiffusion(respacing)
+    kept = ddpm_alphas_cumprod()[diffusion.timestep_map]
+    assert diffusion.num_timesteps == len(diffusion.timestep_map)
+    np.testing.assert_allclose(diffusion.alphas_cumprod, kept, rtol=1e-12)
+
+
+def test_p_mean_variance_mathematics():
+    """Given the true noise, the x_0 prediction inverts q(x_t | x_0); the variance output -1 / +1 selects
+    the posterior variance / beta_t (Nichol & Dhariwal eq. 15); the mean is the posterior mean."""
+    diffusion = GaussianDiffusion("50")
+    betas = 1 - diffusion.alphas_cumprod / np.append(1.0, diffusion.alphas_cumprod[:-1])
+    ab = diffusion.alphas_cumprod
+    ab_prev = np.append(1.0, ab[:-1])
+    t = jnp.array([1, 7, 25, 49])
+    k0, k1 = jax.random.split(jax.random.PRNGKey(5))
+    x0 = jax.random.normal(k0, (4, 4, 4, 2))
+    noise = jax.random.normal(k1, x0.shape)
+    abt = ab[np.asarray(t)].reshape(-1, 1, 1, 1)
+    x_t = np.sqrt(abt) * x0 + np.sqrt(1 - abt) * noise
+    for v, want_var in ((-1.0, betas * (1 - ab_prev) / (1 - ab)), (1.0, betas)):
+        out = diffusion.p_mean_variance(jnp.concatenate([noise, jnp.full_like(noise, v)], -1), jnp.asarray(x_t), t)
+        np.testing.assert_allclose(out["pred_xstart"], x0, atol=2e-4)
+        np.testing.assert_allclose(out["log_variance"][:, 0, 0, 0], np.log(want_var[np.asarray(t)]), rtol=1e-5)
+    # posterior mean of q(x_{t-1} | x_t, x_0), Ho et al. eq. 7
+    bt, abp = betas[np.asarray(t)].reshape(-1, 1, 1, 1), ab_prev[np.asarray(t)].reshape(-1, 1, 1, 1)
+    mean = np.sqrt(abp) * bt / (1 - abt) * x0 + np.sqrt(1 - bt) * (1 - abp) / (1 - abt) * x_t
+    np.testing.assert_allclose(out["mean"], mean, atol=2e-4)
+
+
+def test_vb_trains_only_the_variance():
+    """The stop-gradient on the mean: d vb / d eps = 0 and d mse / d variance = 0 (official `frozen_out`)."""
+    diffusion = GaussianDiffusion()
+    x0 = jax.random.normal(jax.random.PRNGKey(6), (4, 4, 4, 2))
+    t = jnp.array([0, 3, 400, 999])
+    noise = jax.random.normal(jax.random.PRNGKey(7), x0.shape)
+
+    def term(name, a, b):
+        model_fn = lambda x, _: jnp.concatenate([a * x, jnp.full_like(x, b)], axis=-1)  # noqa: E731
+        return diffusion.losses_at(model_fn, x0, t, noise)[name].sum()
+    grad_vb = jax.grad(lambda ab: term("vb", *ab))((0.5, 0.2))
+    grad_mse = jax.grad(lambda ab: term("mse", *ab))((0.5, 0.2))
+    assert grad_vb[0] == 0 and grad_vb[1] != 0
+    assert grad_mse[1] == 0 and grad_mse[0] != 0
+
+
+def test_ddim_recovers_gaussian_and_converges(gaussian_noise):
+    z, target = gaussian_noise
+    model_fn = ddpm_exact_model(0.0)
+    rms = []
+    for steps in (10, 25, 50, 100):
+        x = GaussianDiffusion(f"ddim{steps}").sample(model_fn, z, method="ddim")
+        rms.append(float(jnp.sqrt(jnp.mean((x - target) ** 2))))
+    # DDIM (eta 0) discretises the probability-flow ODE, whose exact transport is z -> M + S z
+    assert all(fine < 0.7 * coarse for coarse, fine in zip(rms, rms[1:])), rms
+    assert rms[-1] < 0.02
+    assert abs(float(x.mean()) - M) < MEAN_TOL
+
+
+@pytest.mark.parametrize("var_value", [-1.0, 1.0])
+def test_ddpm_ancestral_recovers_gaussian(gaussian_noise, var_value):
+    """With 1000 steps both ends of the learned variance range give the data distribution."""
+    z = gaussian_noise[0]
+    x, traj = GaussianDiffusion().sample(ddpm_exact_model(var_value), z, jax.random.PRNGKey(8),
+                                         return_trajectory=True)
+    assert traj.shape == (1001,) + z.shape
+    np.testing.assert_array_equal(traj[-1], x)
+    assert abs(float(x.mean()) - M) < MEAN_TOL
+    assert abs(float(x.var()) - S ** 2) < 2 * VAR_TOL
+
+
+def test_ddpm_rejects_bad_input():
+    diffusion = GaussianDiffusion("10")
+    x = jnp.zeros((2, 4, 4, 3))
+    with pytest.raises(ValueError, match="learn_sigma=True"):
+        diffusion.sample(lambda x, t: x, x, method="ddim")
+    with pytest.raises(ValueError, match="PRNG key"):
+        diffusion.sample(ddpm_exact_model(0.0), x, method="ddpm")
+    with pytest.raises(ValueError, match="'ddpm' or 'ddim'"):
+        diffusion.sample(ddpm_exact_model(0.0), x, jax.random.PRNGKey(0), method="plms")
+
+
+#################################################################################
+#                     DDPM against the official DiT                             #
+#################################################################################
+
+@pytest.fixture(scope="module")
+def ref():
+    return np.load(fixture("dit_reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def model(ref):
+    import dit
+    cfg = dit.DiTConfig(**json.loads(str(ref["config"])))
+    return dit.load_dit_checkpoint(fixture("dit_reference.pt"), cfg)
+
+
+def test_ddpm_betas(ref):
+    betas = GaussianDiffusion("", len(ref["ddpm_betas"])).betas
+    assert rel_err(betas, ref["ddpm_betas"]) < 1e-12
+
+
+def test_ddpm_loss_terms(ref, model):
+    y = jnp.asarray(ref["loss_y"])
+    losses = GaussianDiffusion().losses_at(lambda x, t: model(x, t, y), nhwc(ref["loss_x0"]),
+                                           jnp.asarray(ref["loss_t"]), nhwc(ref["loss_noise"]))
+    for ours, theirs in (("mse", "loss_mse"), ("vb", "loss_vb"), ("loss", "loss_total")):
+        assert rel_err(losses[ours], ref[theirs]) < 1e-5, ours
+
+
+def test_p_mean_variance_250(ref, model):
+    diffusion = GaussianDiffusion("250")
+    np.testing.assert_array_equal(diffusion.timestep_map, ref["p250_timestep_map"])
+    x, index = nhwc(ref["p250_x"]), jnp.asarray(ref["p250_index"])
+    out = model(x, jnp.asarray(diffusion.timestep_map[np.asarray(index)], jnp.float32), jnp.asarray(ref["p250_y"]))
+    p = diffusion.p_mean_variance(out, x, index)
+    for name in ("mean", "log_variance", "pred_xstart"):
+        assert rel_err(nchw(p[name]), ref[f"p250_{name}"]) < 1e-5, name
+
+
+def test_ddim25_with_cfg(ref, model):
+    diffusion = GaussianDiffusion("ddim25")
+    np.testing.assert_array_equal(diffusion.timestep_map, ref["ddim25_timestep_map"])
+    y, scale = jnp.asarray(ref["ddim25_y"]), float(ref["ddim25_cfg_scale"])
+    model_fn = lambda x, t: model.forward_with_cfg(x, t, y, scale, guidance_channels=3)  # noqa: E731
+    x = diffusion.sample(model_fn, nhwc(ref["ddim25_noise"]), method="ddim")
+    assert rel_err(nchw(x), ref["ddim25_out"]) < 1e-4
+
+
+#################################################################################
+#                     Autoencoder and prepare_imagenet100.py                    #
+#################################################################################
+# Tests of the Stable Diffusion VAE (dit.py) and prepare_imagenet100.py against diffusers' outputs.
+
+#################################################################################
+#                                  Autoencoder                                  #
+#################################################################################
+
+def test_vae_matches_diffusers():
+    """Posterior mean, log-variance and decode(mean) of the small random VAE equal diffusers' (README: 1e-5)."""
+    ref = np.load(fixture("vae_reference.npz"))
+    vae = load_vae(fixture("vae_reference"))
+    assert vae.cfg == VAEConfig.from_json(os.path.join(fixture("vae_reference"), "config.json"))
+    mean, logvar = vae.encode(nhwc(ref["x"]))
+    assert mean.shape == nhwc(ref["mean"]).shape
+    assert rel_err(mean, nhwc(ref["mean"])) < 1e-5
+    assert rel_err(logvar, nhwc(ref["logvar"])) < 1e-5
+    assert rel_err(vae.decode(nhwc(ref["mean"])), nhwc(ref["decoded"])) < 1e-5
+
+
+def test_vae_full_size_keys_and_shapes():
+    """The default (SD kl-f8) configuration has exactly the parameters of the released VAE, as named by diffusers."""
+    vae = nnx.eval_shape(lambda: AutoencoderKL(VAEConfig(), rngs=nnx.Rngs(0)))
+    ours = {name: list(shape) for name, (_, shape) in vae_torch_names(vae).items()}
+    with open(fixture("sd_vae_keys.json")) as f:
+        ref = json.load(f)
+    assert sorted(set(ours) ^ set(ref)) == []
+    assert ours == ref
+    n_params = sum(int(np.prod(v.shape)) for _, v in nnx.iter_graph(vae) if isinstance(v, nnx.Param))
+    assert n_params == sum(int(np.prod(s)) for s in ref.values())
+
+
+def test_vae_old_attention_names_load():
+    """Older checkpoints name the attention query/key/value/proj_attn and may store them as 1x1 convs."""
+    folder = fixture("vae_reference")
+    new = read_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    renames = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    old = {}
+    for k, v in new.items():
+        for a, b in renames.items():
+            if f".{a}." in k:
+                k = k.replace(f".{a}.", f".{b}.")
+                v = v[:, :, None, None] if v.ndim == 2 else v
+        old[k] = v
+    assert any(".proj_attn.weight" in k for k in old) and not any(".to_q." in k for k in old)
+    cfg = VAEConfig.from_json(os.path.join(folder, "config.json"))
+    vae = load_vae_weights(nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0))), old)
+    ref = np.load(fixture("vae_reference.npz"))
+    assert rel_err(vae.encode(nhwc(ref["x"]))[0], nhwc(ref["mean"])) < 1e-5
+
+
+def test_vae_key_mismatch_is_named():
+    folder = fixture("vae_reference")
+    tensors = read_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    cfg = VAEConfig.from_json(os.path.join(folder, "config.json"))
+    tensors["encoder.extra.weight"] = tensors.pop("decoder.conv_out.bias")
+    named = r"missing keys 1 \['decoder\.conv_out\.bias'\], unexpected keys 1 \['encoder\.extra\.weight'\]"
+    with pytest.raises(ValueError, match=named):
+        load_vae_weights(nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0))), tensors)
+
+
+def test_safetensors_dtypes_and_truncation(tmp_path):
+    """Hand-built file: the header layout of the safetensors spec, F16/BF16/I64 data; truncation -> clear error."""
+    f32 = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5
+    bf16 = (f32.view(np.uint32) >> 16).astype("<u2")  # these values are exact in bfloat16
+    parts = {"a": ("F16", f32.astype("<f2")), "b": ("BF16", bf16), "c": ("I64", np.array([7, -1], "<i8"))}
+    header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+    for name, (dt, arr) in parts.items():
+        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        blobs.append(arr.tobytes())
+    head = json.dumps(header).encode()
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    got = read_safetensors(str(path))
+    np.testing.assert_array_equal(got["a"], f32)
+    np.testing.assert_array_equal(got["b"], f32)
+    assert got["b"].dtype == np.float32
+    np.testing.assert_array_equal(got["c"], [7, -1])
+
+    real = open(os.path.join(fixture("vae_reference"), "diffusion_pytorch_model.safetensors"), "rb").read()
+    for name, blob in [("cut.safetensors", real[:len(real) // 2]), ("short.safetensors", real[:5]),
+                       ("head.safetensors", real[:200]), ("text.safetensors", b"<html>not found</html>")]:
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(ValueError, match="not a readable safetensors file"):
+            read_safetensors(str(tmp_path / name))
+    shutil.copy(os.path.join(fixture("vae_reference"), "config.json"), tmp_path / "config.json")
+    (tmp_path / "diffusion_pytorch_model.safetensors").write_bytes(real[:len(real) - 10])
+    with pytest.raises(ValueError, match="incomplete"):
+        load_vae(str(tmp_path))
+
+
+def test_load_vae_bad_sources(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="neither diffusion_pytorch_model.safetensors nor .bin"):
+        load_vae(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not 'ema', 'mse'"):
+        load_vae(str(tmp_path / "nope.safetensors"))
+
+    def offline(url, timeout=None):
+        raise OSError("network is unreachable")
+    monkeypatch.setattr("urllib.request.urlopen", offline)
+    with pytest.raises(RuntimeError, match="by hand into"):
+        load_vae("ema", cache_dir=str(tmp_path / "cache"))
+    assert not any(p.name.endswith(".part") or p.is_file() for p in (tmp_path / "cache").rglob("*"))
+
+
+def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
+    """"ema" fetches config.json and the safetensors file once (here served from the fixture), then reads the cache."""
+    folder, fetched = fixture("vae_reference"), []
+
+    class Response(io.BytesIO):
+        headers = {}
+
+    def fake_urlopen(url, timeout=None):
+        fetched.append(url)
+        assert url.startswith("https://huggingface.co/stabilityai/sd-vae-ft-ema/resolve/main/")
+        return Response(open(os.path.join(folder, url.rsplit("/", 1)[1]), "rb").read())
+    monkeypatch.setattr("urllib.request.urlopen", fake_urlopen)
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path))
+    ref = np.load(fixture("vae_reference.npz"))
+    for _ in range(2):
+        vae = load_vae("ema")
+        assert rel_err(vae.encode(nhwc(ref["x"]))[0], nhwc(ref["mean"])) < 1e-5
+    assert len(fetched) == 2  # the second load came from the cache
+    assert sorted(os.listdir(tmp_path / "sd-vae-ft-ema")) == ["config.json", "diffusion_pytorch_model.safetensors"]
+
+
+def test_load_vae_bin_goes_through_torch_reader(tmp_path):
+    """A .bin state dict is read with fid.load_torch; one of the wrong model (DiT's) is refused by key names."""
+    shutil.copy(os.path.join(fixture("vae_reference"), "config.json"), tmp_path / "config.json")
+    shutil.copy(fixture("dit_reference.pt"), tmp_path / "diffusion_pytorch_model.bin")
+    named = r"missing keys \d+ \['decoder\.conv_in\.bias'.*unexpected keys \d+ \['blocks\.0\."
+    with pytest.raises(ValueError, match=named):
+        load_vae(str(tmp_path))
+
+
+def test_vae_config_from_json(tmp_path):
+    cfg = VAEConfig.from_json(os.path.join(fixture("vae_reference"), "config.json"))
+    assert cfg.block_out_channels == (32, 64) and cfg.norm_num_groups == 16 and cfg.scaling_factor == 0.18215
+    raw = json.load(open(os.path.join(fixture("vae_reference"), "config.json")))
+    (tmp_path / "c.json").write_text(json.dumps({**raw, "up_block_types": ["AttnUpDecoderBlock2D"] * 2}))
+    with pytest.raises(ValueError, match="up_block_types"):
+        VAEConfig.from_json(str(tmp_path / "c.json"))
+
+
+def test_vae_rejects_nchw():
+    vae = load_vae(fixture("vae_reference"))
+    with pytest.raises(ValueError, match="NHWC"):
+        vae.encode(np.zeros((1, 3, 16, 16), np.float32))
+
+
+#################################################################################
+#                                  Centre crop                                  #
+#################################################################################
+
+def test_center_crop_arr_against_manual_adm_steps():
+    """ADM's recipe done by hand: BOX-halve 1000x600 while the short side is >= 2*64, bicubic, centre crop."""
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 256, (600, 1000, 3), dtype=np.uint8))
+    out = center_crop_arr(img, 64)
+    assert out.shape == (64, 64, 3) and out.dtype == np.uint8
+    # 600 -> 300 -> 150 -> 75 (75 < 128 stops), then bicubic to short side 64: (1000/8=125) * 64/75 = 106.67 -> 107
+    ref = img.resize((500, 300), Image.BOX).resize((250, 150), Image.BOX).resize((125, 75), Image.BOX)
+    ref = np.asarray(ref.resize((107, 64), Image.BICUBIC))[:, (107 - 64) // 2:(107 - 64) // 2 + 64]
+    np.testing.assert_array_equal(out, ref)
+    # grayscale and palette images come back as RGB
+    assert center_crop_arr(img.convert("L"), 32).shape == (32, 32, 3)
+    assert center_crop_arr(img.convert("P"), 32).shape == (32, 32, 3)
+
+
+#################################################################################
+#                             prepare_imagenet100.py                            #
+#################################################################################
+
+def kaggle_tree(root, photos):
+    """A small tree in the Kaggle layout from real photos, with the kinds of damage real downloads have."""
+    wnids = sorted(f[:-5] for f in os.listdir(photos) if f.endswith(".JPEG"))
+    gray = "n03764736"  # a grayscale photo, per the data README
+    a, b, c, d = [w for w in wnids if w != gray][:4]
+    src = root / "src"
+    for folder in ("train.X1/" + a, "train.X1/" + b, "train.X2/" + c, "train.X2/" + d, "val.X/" + a, "val.X/" + c):
+        (src / folder).mkdir(parents=True)
+    photo = lambda w: os.path.join(photos, w + ".JPEG")
+    shutil.copy(photo(a), src / "train.X1" / a / "1.JPEG")
+    shutil.copy(photo(b), src / "train.X1" / a / "2.JPEG")
+    Image.open(photo(b)).convert("CMYK").save(src / "train.X1" / b / "cmyk.JPEG")
+    shutil.copy(photo(gray), src / "train.X2" / c / "gray.JPEG")
+    Image.open(photo(c)).convert("RGBA").save(src / "train.X2" / c / "png.JPEG", format="PNG")
+    blob = open(photo(d), "rb").read()
+    (src / "train.X2" / c / "truncated.JPEG").write_bytes(blob[:len(blob) // 2])
+    shutil.copy(photo(a), src / "val.X" / a / "v.JPEG")
+    shutil.copy(photo(c), src / "val.X" / c / "v.JPEG")
+    labels = json.load(open(os.path.join(photos, "Labels.json")))
+    (src / "Labels.json").write_text(json.dumps({w: labels[w] for w in (a, b, c, d)}))
+    # d stays empty; files in label order: a/1, a/2, b/cmyk, c/gray, c/png, c/truncated
+    return src, [a, b, c, d], labels
+
+
+def test_prepare_latents_kaggle_tree(tmp_path):
+    src, wnids, names = kaggle_tree(tmp_path, data("imagenet100-photos"))
+    vae_dir = fixture("vae_reference")
+    out = tmp_path / "out"
+    args = [str(src), str(out), "--vae", vae_dir, "--resolution", "32", "--chunk-size", "2", "--batch-size", "2",
+            "--workers", "2", "--no-fid"]
+    manifest = prepare_imagenet100.main(args)
+
+    latents, labels = np.load(out / "latents.npy", mmap_mode="r"), np.load(out / "labels.npy")
+    kept = [("train.X1", 0, "1.JPEG"), ("train.X1", 0, "2.JPEG"), ("train.X1", 1, "cmyk.JPEG"),
+            ("train.X2", 2, "gray.JPEG"), ("train.X2", 2, "png.JPEG")]
+    vae = load_vae(vae_dir)
+    assert latents.dtype == np.float16 and latents.shape == (5, 2, 16, 16, 2 * vae.cfg.latent_channels)
+    assert labels.dtype == np.int64 and labels.tolist() == [k[1] for k in kept]
+    crops = np.stack([center_crop_arr(Image.open(src / split / wnids[label] / f), 32) for split, label, f in kept])
+    x = crops.astype(np.float32) / 127.5 - 1
+    mean, logvar = nnx.jit(lambda vae, x: vae.encode(x))(vae, np.concatenate([x, x[:, :, ::-1]]))
+    for flip in (0, 1):
+        rows = slice(5 * flip, 5 * flip + 5)
+        assert rel_err(latents[:, flip, ..., :4], mean[rows]) < 1e-3  # float16 storage
+        assert rel_err(latents[:, flip, ..., 4:], np.exp(0.5 * np.asarray(logvar[rows]))) < 1e-3
+    assert not np.allclose(latents[:, 0], latents[:, 1], atol=1e-2)  # the flip is really a different image
+
+    assert [s["file"] for s in manifest["skipped"]] == [os.path.join("train.X2", wnids[2], "truncated.JPEG")]
+    assert "truncated" in manifest["skipped"][0]["reason"]
+    assert any(wnids[3] in w and "no images" in w for w in manifest["warnings"])
+    assert any("126689" in w for w in manifest["warnings"])
+    assert manifest["scaling_factor"] == 0.18215 and manifest["complete"]
+    saved = json.load(open(out / "manifest.json"))
+    assert saved["counts"]["images"] == 5 and saved["shape"] == list(latents.shape)
+    assert json.load(open(out / "classes.json")) == [{"wnid": w, "name": names[w]} for w in wnids]
+    assert not (out / "latents.partial.npy").exists()
+
+    # val goes into out/val with the training split's labels
+    prepare_imagenet100.main(args + ["--split", "val"])
+    assert np.load(out / "val" / "labels.npy").tolist() == [0, 2]
+    assert np.load(out / "val" / "latents.npy").shape == (2, 2, 16, 16, 8)
+
+
+def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
+    src, wnids, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
+    args = lambda out: [str(src), str(out), "--pixels", "16", "--chunk-size", "2", "--batch-size", "2",
+                        "--workers", "1", "--no-fid"]
+    prepare_imagenet100.main(args(tmp_path / "whole"))
+
+    real, calls = prepare_imagenet100.load_image, []
+
+    def failing(path, size):  # the 5th image read dies, as if the machine went down in chunk 2 (files 4-5)
+        calls.append(os.path.relpath(path, src))
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(path, size)
+    monkeypatch.setattr(prepare_imagenet100, "load_image", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_imagenet100.main(args(tmp_path / "out"))
+    done = json.load(open(tmp_path / "out" / "manifest.json"))["chunks_done"]
+    assert sorted(done) == ["0", "1"] and not (tmp_path / "out" / "images.npy").exists()
+
+    calls.clear()
+    monkeypatch.setattr(prepare_imagenet100, "load_image", lambda p, s: (calls.append(p), real(p, s))[1])
+    manifest = prepare_imagenet100.main(args(tmp_path / "out"))
+    assert len(calls) == 2  # only chunk 2 (the last two files) was read again
+    assert sorted(manifest["chunks_done"]) == ["0", "1", "2"] and manifest["counts"]["images"] == 5
+    for name in ("images.npy", "labels.npy"):
+        np.testing.assert_array_equal(np.load(tmp_path / "out" / name), np.load(tmp_path / "whole" / name))
+    images = np.load(tmp_path / "out" / "images.npy")
+    assert images.dtype == np.uint8 and images.shape == (5, 16, 16, 3)
+    np.testing.assert_array_equal(images[2], center_crop_arr(Image.open(src / "train.X1" / wnids[1] / "cmyk.JPEG"), 16))
+    calls.clear()
+    assert prepare_imagenet100.main(args(tmp_path / "out"))["complete"] and calls == []  # finished: nothing redone
+
+
+def test_prepare_fid_statistics(tmp_path, monkeypatch):
+    """fid_stats.npz holds the mean and covariance of the Inception pool features of the kept, cropped images."""
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))  # fid.py caches converted weights there
+    src, wnids, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
+    weights = fixture("inception_fid_random.pth")
+    with pytest.warns(UserWarning):  # the random fixture is not the official file; 5 images give a singular covariance
+        prepare_imagenet100.main([str(src), str(tmp_path / "out"), "--pixels", "16", "--chunk-size", "4",
+                                  "--batch-size", "3", "--workers", "2", "--inception", weights])
+    stats = np.load(tmp_path / "out" / "fid_stats.npz")
+    images = np.load(tmp_path / "out" / "images.npy")
+    with pytest.warns(UserWarning, match="not pytorch-fid's official"):
+        inception = fid.load_inception(weights)
+    pool3 = np.asarray(nnx.jit(lambda net, x: net(x)[0])(inception, images), np.float64)
+    assert rel_err(stats["mu"], pool3.mean(0)) < 1e-5
+    assert rel_err(stats["sigma"], np.cov(pool3, rowvar=False)) < 1e-4
+    assert not (tmp_path / "out" / "inception.partial.npy").exists()
+
+
+#################################################################################
+#                                      Data                                     #
+#################################################################################
+# Tests of the Data section: every dataset format, and the deterministic, resumable, per-process Loader.
+
+#################################################################################
+#                                     MNIST                                     #
+#################################################################################
+
+def write_idx(path, arr, gz=False):
+    """An IDX file as the format's description defines it: 00 00, type code, ndim, big-endian dims, data."""
+    codes = {np.dtype(np.uint8): 0x08, np.dtype(np.int32): 0x0C}
+    raw = bytes([0, 0, codes[arr.dtype], arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    raw += arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+    with open(path, "wb") as f:
+        f.write(gzip.compress(raw) if gz else raw)
+
+
+def test_mnist_real_test_digits(capsys):
+    ds = load_dataset("mnist", data("mnist"))
+    assert "test set" in capsys.readouterr().out  # only t10k is there: the one-line note
+    assert ds.x.shape == (10000, 28, 28, 1) and ds.x.dtype == np.uint8
+    assert ds.input_shape == (28, 28, 1) and not ds.is_latent and not ds.flip
+    assert ds.labels[0] == 7  # the first test digit is a 7
+    # the published class counts of the MNIST test set
+    assert np.bincount(ds.labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    assert ds.num_classes == 10 and ds.class_names == [str(d) for d in range(10)]
+    assert ds.x.max() == 255 and ds.x.min() == 0
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_synthetic_idx(tmp_path, gz):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (7, 5, 6), dtype=np.uint8)
+    labels = rng.integers(0, 10, 7).astype(np.uint8)
+    suffix = ".gz" if gz else ""
+    write_idx(tmp_path / f"train-images-idx3-ubyte{suffix}", images, gz)
+    write_idx(tmp_path / f"train-labels-idx1-ubyte{suffix}", labels, gz)
+    ds = load_dataset("mnist", str(tmp_path))
+    np.testing.assert_array_equal(ds.x, images[..., None])
+    np.testing.assert_array_equal(ds.labels, labels)
+    # other element types decode big-endian
+    ints = np.array([[1, -2], [70000, 3]], np.int32)
+    write_idx(tmp_path / "ints.idx", ints, gz)
+    np.testing.assert_array_equal(read_idx(str(tmp_path / "ints.idx")), ints)
+
+
+def test_idx_malformed(tmp_path):
+    good = np.zeros((3, 4, 4), np.uint8)
+    write_idx(tmp_path / "good", good)
+    raw = (tmp_path / "good").read_bytes()
+    cases = {
+        "magic": b"\x01\x02" + raw[2:],
+        "type": raw[:2] + b"\x07" + raw[3:],
+        "truncated": raw[:-5],
+        "header": raw[:9],
+        "gzip": gzip.compress(raw)[:-12],
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=name):  # the message names the file
+            read_idx(str(tmp_path / name))
+    # a valid pair whose counts disagree
+    write_idx(tmp_path / "train-images-idx3-ubyte", good)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(4, np.uint8))
+    with pytest.raises(ValueError, match="3 images but .* 4 labels"):
+        load_dataset("mnist", str(tmp_path))
+    with pytest.raises(ValueError, match="28x28"):
+        load_dataset("mnist", str(tmp_path), resolution=32)
+
+
+def test_mnist_offline_says_what_to_put_where(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte.gz") as info:
+        load_dataset("mnist", str(tmp_path / "mnist"))
+    assert str(tmp_path / "mnist") in str(info.value)
+    assert not any(p.name.endswith(".part") for p in (tmp_path / "mnist").iterdir())
+
+
+class FakeResponse(io.BytesIO):
+    headers = {}
+
+
+def test_download_verifies_checksum(tmp_path, monkeypatch):
+    payload = os.urandom(3000)
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: FakeResponse(payload))
+    path = tmp_path / "sub" / "file.bin"
+    fid.download("https://example.invalid/file.bin", str(path), hashlib.md5(payload).hexdigest(), "md5")
+    assert path.read_bytes() == payload
+    bad = tmp_path / "bad.bin"
+    with pytest.raises(ValueError, match="corrupted"):
+        fid.download("https://example.invalid/file.bin", str(bad), "0" * 32, "md5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]  # neither the file nor a partial one is left
+
+
+#################################################################################
+#                                   CIFAR-10                                    #
+#################################################################################
+
+class Py2Pickler(pickle._Pickler):
+    """Writes pickles as Python 2's cPickle wrote CIFAR-10's: every string is a byte string (BINSTRING) and arrays
+    are rebuilt through numpy.core.multiarray._reconstruct, numpy 1's module name."""
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_py2_string(self, obj):
+        raw = obj if isinstance(obj, bytes) else obj.encode("latin1")
+        if len(raw) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(raw)]) + raw)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(raw)) + raw)
+        self.memoize(obj)
+
+    def save_builtin(self, obj, name=None):
+        if obj is np.empty(0).__reduce__()[0]:
+            self.write(pickle.GLOBAL + b"numpy.core.multiarray\n_reconstruct\n")
+            self.memoize(obj)
+        else:
+            self.save_global(obj, name)
+
+    dispatch[bytes] = save_py2_string
+    dispatch[str] = save_py2_string
+    dispatch[types.BuiltinFunctionType] = save_builtin
+
+
+def py2_pickle(obj):
+    f = io.BytesIO()
+    Py2Pickler(f, protocol=2).dump(obj)
+    return f.getvalue()
+
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def cifar_files(n=3, seed=0):
+    """Five tiny training batches and batches.meta in the official layout, and the NHWC images they encode."""
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, (5 * n, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, 5 * n)
+    files = {}
+    for b in range(5):
+        chunk = images[b * n:(b + 1) * n]
+        # each row: the 1024 red values, then green, then blue, each in row-major order
+        rows = np.stack([np.concatenate([img[:, :, c].reshape(-1) for c in range(3)]) for img in chunk])
+        files[f"data_batch_{b + 1}"] = py2_pickle({"batch_label": f"training batch {b + 1} of 5", "data": rows,
+                                                   "labels": [int(v) for v in labels[b * n:(b + 1) * n]],
+                                                   "filenames": [f"img_{i}.png" for i in range(n)]})
+    files["batches.meta"] = py2_pickle({"label_names": CLASSES, "num_cases_per_batch": n, "num_vis": 3072})
+    files["test_batch"] = files["data_batch_1"]
+    return files, images, labels
+
+
+def write_cifar_archive(path, files):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, content in files.items():
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+
+
+def test_cifar_archive(tmp_path):
+    files, images, labels = cifar_files()
+    write_cifar_archive(tmp_path / "cifar-10-python.tar.gz", files)
+    ds = load_dataset("cifar10", str(tmp_path))
+    np.testing.assert_array_equal(ds.x, images)
+    np.testing.assert_array_equal(ds.labels, labels)
+    assert ds.class_names == CLASSES and ds.num_classes == 10 and ds.flip and ds.input_shape == (32, 32, 3)
+
+
+def test_cifar_extracted_folder(tmp_path):
+    files, images, labels = cifar_files(n=2, seed=1)
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    for name, content in files.items():
+        (tmp_path / "cifar-10-batches-py" / name).write_bytes(content)
+    ds = load_dataset("cifar10", str(tmp_path))
+    np.testing.assert_array_equal(ds.x, images)
+    np.testing.assert_array_equal(ds.labels, labels)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_4").unlink()
+    with pytest.raises(FileNotFoundError, match="data_batch_4"):
+        load_dataset("cifar10", str(tmp_path))
+
+
+class RunsACommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_cifar_refuses_code_in_pickle(tmp_path):
+    files, _, _ = cifar_files()
+    marker = tmp_path / "it_ran"
+    files["data_batch_3"] = py2_pickle({"data": RunsACommand(marker)})
+    write_cifar_archive(tmp_path / "cifar-10-python.tar.gz", files)
+    with pytest.raises(pickle.UnpicklingError, match="system") as info:
+        load_dataset("cifar10", str(tmp_path))
+    assert any("data_batch_3" in note for note in getattr(info.value, "__notes__", []))
+    assert not marker.exists()
+
+
+def test_cifar_damaged_archive(tmp_path):
+    files, _, _ = cifar_files()
+    del files["data_batch_5"]
+    write_cifar_archive(tmp_path / "cifar-10-python.tar.gz", files)
+    with pytest.raises(ValueError, match="data_batch_5"):
+        load_dataset("cifar10", str(tmp_path))
+    raw = (tmp_path / "cifar-10-python.tar.gz").read_bytes()
+    (tmp_path / "cifar-10-python.tar.gz").write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(ValueError, match="damaged|lacks"):
+        load_dataset("cifar10", str(tmp_path))
+
+
+#################################################################################
+#                                 Image folder                                  #
+#################################################################################
+
+def real_jpegs(out, per_class=3, classes=2):
+    """Extract the first few CIFAR-10 JPEGs of the first classes met in the shared archive (in archive order, so
+    only its beginning is decompressed). Returns {class: [paths]}."""
+    found = {}
+    with tarfile.open(data("cifar10-jpeg.tar.gz"), "r:gz") as tar:
+        for member in tar:
+            parts = member.name.split("/")
+            if not member.isfile() or len(parts) != 4 or parts[1] != "train":
+                continue
+            if parts[2] not in found and len(found) == classes:
+                break
+            paths = found.setdefault(parts[2], [])
+            if len(paths) < per_class:
+                path = os.path.join(out, parts[2], parts[3])
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(tar.extractfile(member).read())
+                paths.append(path)
+    return found
+
+
+def test_folder_with_classes(tmp_path):
+    found = real_jpegs(tmp_path)
+    names = sorted(found)
+    files = [p for name in names for p in sorted(found[name])]
+    ds = load_dataset("folder", str(tmp_path))
+    assert ds.class_names == names and ds.num_classes == 2 and ds.flip
+    np.testing.assert_array_equal(ds.labels, [names.index(os.path.basename(os.path.dirname(p))) for p in files])
+    np.testing.assert_array_equal(ds.x, np.stack([np.asarray(Image.open(p).convert("RGB")) for p in files]))
+    small = load_dataset("folder", str(tmp_path), resolution=16)
+    expected = np.stack([center_crop_arr(Image.open(p).convert("RGB"), 16) for p in files])
+    assert small.x.shape == (len(files), 16, 16, 3)
+    np.testing.assert_array_equal(small.x, expected)
+
+
+def test_folder_unconditional_broken_and_mixed(tmp_path):
+    found = real_jpegs(tmp_path / "src", per_class=4, classes=1)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    files = sorted(found[next(iter(found))])
+    for p in files:
+        os.replace(p, flat / os.path.basename(p))
+    (flat / "zz_broken.jpg").write_bytes(b"not an image at all")
+    (flat / "notes.txt").write_text("ignored: not an image")
+    with pytest.warns(UserWarning, match="zz_broken.jpg"):
+        ds = load_dataset("folder", str(flat))
+    assert ds.labels is None and ds.num_classes == 0 and ds.class_names == []
+    expected = np.stack([np.asarray(Image.open(flat / os.path.basename(p)).convert("RGB")) for p in files])
+    np.testing.assert_array_equal(ds.x, expected)
+    # a grayscale image of another size: needs a resolution, and becomes RGB
+    Image.fromarray(np.full((40, 50), 200, np.uint8)).save(flat / "gray.png")
+    with pytest.raises(ValueError, match="resolution"):
+        load_dataset("folder", str(flat))
+    with pytest.warns(UserWarning, match="zz_broken.jpg"):
+        ds = load_dataset("folder", str(flat), resolution=24)
+    assert ds.x.shape == (len(files) + 1, 24, 24, 3)
+
+
+def test_folder_empty(tmp_path):
+    with pytest.raises(ValueError, match="no images"):
+        load_dataset("folder", str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        load_dataset("folder", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="data_dir"):
+        load_dataset("folder")
+
+
+#################################################################################
+#                                 ImageNet-100                                  #
+#################################################################################
+
+def write_prepared(out, n=12, h=2, w=3, c=4, pixels=None, seed=0):
+    """A prepare_imagenet100.py output folder written by hand. Latents: mean and std of the image and of its
+    flip are kept apart (flip means are negative, image means positive) so a test can tell which was used."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(out, exist_ok=True)
+    labels = rng.integers(0, 3, n).astype(np.int64)
+    np.save(os.path.join(out, "labels.npy"), labels)
+    with open(os.path.join(out, "classes.json"), "w") as f:
+        json.dump([{"wnid": f"n0{i}", "name": f"class {i}"} for i in range(3)], f)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump({"resolution": 8 * h, "scaling_factor": 0.18215}, f)
+    if pixels:
+        images = rng.integers(0, 256, (n, pixels, pixels, 3), dtype=np.uint8)
+        np.save(os.path.join(out, "images.npy"), images)
+        return images, labels
+    mean = rng.uniform(0.5, 2.0, (n, 2, h, w, c)) * np.array([1, -1]).reshape(1, 2, 1, 1, 1)
+    std = rng.uniform(0.1, 0.5, (n, 2, h, w, c))
+    latents = np.lib.format.open_memmap(os.path.join(out, "latents.npy"), "w+", np.float16, (n, 2, h, w, 2 * c))
+    latents[:] = np.concatenate([mean, std], axis=-1)
+    latents.flush()
+    return np.array(latents), labels
+
+
+def test_imagenet100_latents(tmp_path):
+    latents, labels = write_prepared(str(tmp_path))
+    ds = load_dataset("imagenet100", str(tmp_path))
+    assert isinstance(ds.x, np.memmap) and ds.is_latent and ds.latent_scale == pytest.approx(0.18215)
+    assert ds.input_shape == (2, 3, 4) and ds.class_names == ["class 0", "class 1", "class 2"]
+    n, c, G, seed = len(latents), 4, 6, 11
+    loader = Loader(ds, G, seed)
+    chose = set()
+    for step in range(4):
+        # the recipe: epoch permutation from (seed, epoch); [image, flip] choice and eps from (seed, step, 1)
+        epoch, pos = divmod(step, n // G)
+        idx = np.random.default_rng((seed, epoch)).permutation(n)[pos * G:(pos + 1) * G]
+        rng = np.random.default_rng((seed, step, 1))
+        which = rng.integers(0, 2, G)
+        eps = rng.standard_normal((G, 2, 3, c), dtype=np.float32)
+        stats = latents[idx, which].astype(np.float32)
+        expected = (stats[..., :c] + stats[..., c:] * eps) * np.float32(0.18215)
+        x, y = loader.batch(step)
+        assert x.dtype == np.float32 and y.dtype == np.int32
+        np.testing.assert_allclose(x, expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(y, labels[idx])
+        # image means are positive and flip means negative (std at most a quarter of |mean|): the sign of each
+        # sample's average tells which one was taken
+        np.testing.assert_array_equal(x.mean(axis=(1, 2, 3)) < 0, which == 1)
+        chose |= set(which.tolist())
+        # two processes draw the same global noise and flips and take their halves of it
+        halves = [Loader(ds, G, seed, process_index=i, process_count=2).batch(step)[0] for i in range(2)]
+        np.testing.assert_array_equal(np.concatenate(halves), x)
+    assert chose == {0, 1}
+
+
+def test_imagenet100_latent_noise_statistics(tmp_path):
+    """Independently of the draw order: (z / scale - mean) / std must be standard normal."""
+    n = 64
+    latents, _ = write_prepared(str(tmp_path), n=n, h=4, w=4, c=4)
+    ds = load_dataset("imagenet100", str(tmp_path))
+    ds.flip = False  # always the image itself, so mean and std are known per index
+    loader = Loader(ds, n, seed=3)
+    x, _ = loader.batch(0)
+    idx = np.random.default_rng((3, 0)).permutation(n)
+    stats = latents[idx, 0].astype(np.float32)
+    eps = (x / np.float32(0.18215) - stats[..., :4]) / stats[..., 4:]
+    assert abs(eps.mean()) < 0.05 and abs(eps.std() - 1) < 0.05  # 4096 draws: 3 sigma is about 0.05
+    assert not np.array_equal(loader.batch(1)[0], loader.batch(0)[0])
+
+
+def test_imagenet100_pixels_and_errors(tmp_path):
+    images, labels = write_prepared(str(tmp_path / "pix"), pixels=8)
+    ds = load_dataset("imagenet100", str(tmp_path / "pix"))
+    assert not ds.is_latent and ds.input_shape == (8, 8, 3) and ds.flip
+    np.testing.assert_array_equal(ds.x, images)
+    with pytest.raises(ValueError, match="resolution 8"):
+        load_dataset("imagenet100", str(tmp_path / "pix"), resolution=16)
+    with pytest.raises(FileNotFoundError, match="prepare_imagenet100.py"):
+        load_dataset("imagenet100", str(tmp_path / "nothing"))
+    manifest = json.loads((tmp_path / "pix" / "manifest.json").read_text())
+    (tmp_path / "pix" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(ValueError, match="did not finish"):
+        load_dataset("imagenet100", str(tmp_path / "pix"))
+    os.remove(tmp_path / "pix" / "labels.npy")
+    with pytest.raises(FileNotFoundError, match="labels.npy.*prepare_imagenet100.py"):
+        load_dataset("imagenet100", str(tmp_path / "pix"))
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("imagenet", str(tmp_path))
+
+
+#################################################################################
+#                                    Loader                                     #
+#################################################################################
+
+def numbered(n, flip=False, classes=5):
+    """Pixel dataset whose image i holds 4*i + column, so a batch tells which samples it holds (and flips show)."""
+    assert n <= 64
+    x = (4 * np.arange(n)[:, None, None, None] + np.arange(4)[None, None, :, None]).astype(np.uint8)
+    x = np.broadcast_to(x, (n, 4, 4, 1)).copy()  # (N, H, W, 1)
+    return Dataset("numbered", x, np.arange(n) % classes, classes, [str(i) for i in range(classes)], flip=flip)
+
+
+def sample_ids(x):
+    return np.rint((x + 1) * 127.5).astype(int).min(axis=(1, 2, 3)) // 4
+
+
+def test_loader_epochs_cover_dataset_without_repeats():
+    n, G = 26, 8  # 3 steps per epoch; 2 samples dropped each epoch
+    loader = Loader(numbered(n), G, seed=0)
+    epochs = []
+    for e in range(2):
+        ids = np.concatenate([sample_ids(loader.batch(e * 3 + s)[0]) for s in range(3)])
+        assert len(set(ids.tolist())) == 24 and set(ids.tolist()) <= set(range(n))
+        epochs.append(ids)
+    assert not np.array_equal(epochs[0], epochs[1])  # each epoch is shuffled afresh
+    x, y = loader.batch(0)
+    np.testing.assert_array_equal(y, sample_ids(x) % 5)
+
+
+def test_loader_is_deterministic_resumable_and_process_independent():
+    ds = numbered(40, flip=True)
+    with Loader(ds, 8, seed=5) as a, Loader(ds, 8, seed=5) as b:
+        first = [batch for _, batch in zip(range(7), a)]
+        second = [batch for _, batch in zip(range(7), b)]
+    for (xa, ya), (xb, yb) in zip(first, second):
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+    with Loader(ds, 8, seed=5, start_step=4) as resumed:
+        for (x, y), (xr, yr) in zip(first[4:], resumed):
+            np.testing.assert_array_equal(x, xr)
+            np.testing.assert_array_equal(y, yr)
+    with Loader(ds, 8, seed=6) as other:
+        assert not np.array_equal(next(iter(other))[0], first[0][0])
+    halves = [Loader(ds, 8, seed=5, process_index=i, process_count=2) for i in range(2)]
+    for step in range(7):
+        parts = [h.batch(step) for h in halves]
+        assert parts[0][0].shape == (4, 4, 4, 1)
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), first[step][0])
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), first[step][1])
+
+
+def test_loader_pixels_and_flips():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (64, 5, 6, 3), dtype=np.uint8)
+    ds = Dataset("random", x, None, 0, [])
+    loader = Loader(ds, 64, seed=1)
+    out, y = loader.batch(0)
+    assert out.shape == (64, 5, 6, 3) and out.dtype == np.float32 and (y == 0).all()
+    idx = np.random.default_rng((1, 0)).permutation(64)
+    plain, mirrored = x[idx] / 127.5 - 1, x[idx][:, :, ::-1] / 127.5 - 1
+    is_plain = np.isclose(out, plain, atol=1e-6).all(axis=(1, 2, 3))
+    is_mirrored = np.isclose(out, mirrored, atol=1e-6).all(axis=(1, 2, 3))
+    assert (is_plain | is_mirrored).all() and is_plain.any() and is_mirrored.any()
+    assert out.min() >= -1 and out.max() <= 1
+    ds.flip = False
+    np.testing.assert_allclose(Loader(ds, 64, seed=1).batch(0)[0], plain, atol=1e-6)
+
+
+def test_loader_threads_stop_errors_propagate_and_prefetch_is_bounded():
+    before = set(threading.enumerate())
+    loader = Loader(numbered(16), 4, seed=0, prefetch=2)
+    made = []
+    compute = loader.batch
+    loader.batch = lambda step: made.append(step) or compute(step)
+    it = iter(loader)
+    x, _ = next(it)
+    np.testing.assert_array_equal(x, compute(0)[0])
+    time.sleep(0.3)
+    assert len(made) <= 1 + 2  # the one consumed and `prefetch` ahead, no more
+    loader.close()
+    assert set(threading.enumerate()) == before
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+
+    class Unreadable(np.ndarray):
+        def __getitem__(self, index):
+            raise OSError("the disk went away")
+
+    broken = Dataset("broken", np.zeros((8, 2, 2, 1), np.uint8).view(Unreadable), None, 0, [])
+    with Loader(broken, 4, seed=0) as loader:
+        with pytest.raises(OSError, match="disk went away"):
+            next(iter(loader))
+    assert set(threading.enumerate()) == before
+
+
+def test_loader_rejects_bad_arguments():
+    ds = numbered(10)
+    with pytest.raises(ValueError, match="dataset size"):
+        Loader(ds, 11, seed=0)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        Loader(ds, 8, seed=0, process_count=3)
+    with pytest.raises(ValueError, match="does not exist"):
+        Loader(ds, 8, seed=0, process_index=2, process_count=2)
+
+
+#################################################################################
+#                               Training at scale                               #
+#################################################################################
+# Tests of training at scale: device and host equivalence, exact resume, crash safety, real data.
+
+# Every run below trains this tiny model in a fresh process, so that the number of devices (set by
+# XLA_FLAGS before jax starts) and jax.distributed can differ between runs.
+DRIVER = """
+import os, sys
+sys.path.insert(0, {here!r})
+import dit
+dit.DIT_SIZES["T"] = dict(hidden_size=32, depth=2, num_heads=2)
+{patch}
+dit.main(sys.argv[1:])
+"""
+
+
+def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(here=HERE, patch=patch))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu", **(env or {})}
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dit.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def folder_data(tmp_path_factory):
+    """A small two-class image folder (8x8 RGB PNGs): bright squares and dark stripes."""
+    root = tmp_path_factory.mktemp("folder")
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(["squares", "stripes"]):
+        os.makedirs(root / name)
+        for i in range(48):
+            img = rng.integers(0, 60, (8, 8, 3), dtype=np.uint8)
+            if c == 0:
+                img[2:6, 2:6] = 220
+            else:
+                img[::2] = 200
+            Image.fromarray(img).save(root / name / f"{i}.png")
+    return str(root)
+
+
+def train_args(data_dir, run_dir, steps, extra=()):
+    return ["--dataset", "folder", "--data-dir", data_dir, "--resolution", "8", "--size", "T", "--patch", "2",
+            "--batch-size", "8", "--steps", str(steps), "--log-every", "1", "--ckpt-every", "3",
+            "--sample-every", "1000", "--sample-steps", "2", "--final-fid", "0", "--run-dir", str(run_dir),
+            "--lr", "1e-3", "--ema-decay", "0.9", *extra]
+
+
+def final_state(run_dir):
+    meta, arrays = dit.read_checkpoint(dit.list_checkpoints(run_dir)[-1])
+    return meta, arrays
+
+
+def assert_states_close(a, b, rtol=2e-5, atol=2e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def test_one_device_equals_four_and_fsdp(tmp_path, folder_data):
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "one", 4), devices=1)
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "four", 4), devices=4)
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "fsdp", 4, ["--fsdp"]), devices=4)
+    _, one = final_state(tmp_path / "one")
+    _, four = final_state(tmp_path / "four")
+    _, fsdp = final_state(tmp_path / "fsdp")
+    assert int(one["step"]) == 4
+    # the parameters moved: the comparison is not between two untouched initialisations
+    cfg = dit.config_from_json(final_state(tmp_path / "one")[0]["model"])
+    start = nnx.to_pure_dict(nnx.state(dit.DiT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"], np.asarray(start["blocks"][0]["attn"]["qkv"]["kernel"]))
+    assert_states_close(one, four)
+    assert_states_close(one, fsdp)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_hosts_equal_one(tmp_path, folder_data):
+    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 4 devices."""
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "single", 4), devices=4)
+    port = free_port()
+    script = tmp_path / "driver.py"
+    procs = [subprocess.Popen([sys.executable, str(script), *train_args(folder_data, tmp_path / "multi", 4),
+                               "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                                   "JAX_PLATFORMS": "cpu"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    assert "4 devices, 2 processes" in outs[0]
+    _, single = final_state(tmp_path / "single")
+    _, multi = final_state(tmp_path / "multi")
+    assert_states_close(single, multi)
+
+
+# Stops the process dead (no cleanup, like SIGKILL) right after the checkpoint of step 3 is written.
+KILL_AFTER_CHECKPOINT = """
+save = dit.save_checkpoint
+def save_then_die(run_dir, state, meta, keep):
+    save(run_dir, state, meta, keep)
+    if int(state["step"]) == 3:
+        os._exit(9)
+dit.save_checkpoint = save_then_die
+"""
+
+# Kills the process in the middle of writing the checkpoint of step 6: half of it is on disk.
+KILL_WHILE_WRITING = """
+import signal
+import numpy as np
+savez = np.savez
+def savez_and_die(f, **arrays):
+    if int(arrays["step"]) == 6:
+        f.write(b"PK\\x03\\x04" + bytes(1000))
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    savez(f, **arrays)
+np.savez = savez_and_die
+"""
+
+
+def test_resume_is_exact_after_kill(tmp_path, folder_data):
+    """6 uninterrupted steps == 3 steps, a kill, 3 resumed steps, bit for bit."""
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "straight", 6))
+    killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6), patch=KILL_AFTER_CHECKPOINT,
+                     check=False)
+    assert killed.returncode == 9
+    assert [os.path.basename(p) for p in dit.list_checkpoints(tmp_path / "resumed")] == ["step_0000003.npz"]
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6))
+    assert "resumed" in out.stdout
+    _, a = final_state(tmp_path / "straight")
+    _, b = final_state(tmp_path / "resumed")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # the log holds each step once: the resumed run appends where the killed one stopped
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data):
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "straight", 9))
+    run_dir = tmp_path / "crashed"
+    killed = run_dit(tmp_path, train_args(folder_data, run_dir, 9), patch=KILL_WHILE_WRITING, check=False)
+    assert killed.returncode == -9
+    names = sorted(os.listdir(run_dir / "checkpoints"))
+    assert "step_0000003.npz" in names and "step_0000006.npz" not in names
+    assert any(".tmp" in n for n in names)  # the half-written file is there, under its temporary name
+    out = run_dit(tmp_path, train_args(folder_data, run_dir, 9))
+    assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
+    _, a = final_state(tmp_path / "straight")
+    _, b = final_state(run_dir)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_loss_falls_on_mnist(tmp_path):
+    run_dit(tmp_path, ["--dataset", "mnist", "--data-dir", data("mnist"), "--size", "T", "--patch", "4",
+                       "--batch-size", "32", "--steps", "60", "--log-every", "10", "--ckpt-every", "60",
+                       "--sample-every", "60", "--sample-steps", "4", "--final-fid", "0", "--lr", "1e-3",
+                       "--run-dir", str(tmp_path / "run")])
+    loss = losses(tmp_path / "run")
+    assert loss[-1] < 0.75 * loss[0], loss
+    grid = np.asarray(Image.open(tmp_path / "run" / "samples" / "step_0000060.png"))
+    assert grid.ndim == 2 and grid.shape[0] > 28  # a grayscale grid of several digits
+
+
+def test_loss_falls_on_cifar10_photos(tmp_path):
+    root = tmp_path / "cifar"
+    with tarfile.open(data("cifar10-jpeg.tar.gz")) as tar:
+        taken = {}
+        for m in tar:
+            parts = m.name.split("/")
+            if m.isfile() and len(parts) == 4 and parts[1] == "train" and taken.get(parts[2], 0) < 20:
+                taken[parts[2]] = taken.get(parts[2], 0) + 1
+                os.makedirs(root / parts[2], exist_ok=True)
+                (root / parts[2] / parts[3]).write_bytes(tar.extractfile(m).read())
+            if len(taken) == 10 and all(v == 20 for v in taken.values()):
+                break
+    run_dit(tmp_path, ["--dataset", "folder", "--data-dir", str(root), "--size", "T", "--patch", "4",
+                       "--batch-size", "32", "--steps", "60", "--log-every", "10", "--ckpt-every", "60",
+                       "--sample-every", "60", "--sample-steps", "4", "--final-fid", "0", "--lr", "1e-3",
+                       "--run-dir", str(tmp_path / "run")])
+    loss = losses(tmp_path / "run")
+    assert loss[-1] < 0.75 * loss[0], loss
+    meta, _ = final_state(tmp_path / "run")
+    assert meta["model"]["num_classes"] == 10 and meta["model"]["in_channels"] == 3
+
+
+def test_bad_inputs_get_clear_errors(tmp_path, folder_data):
+    # a batch that does not split over the devices
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "a", 2, ["--batch-size", "6"]), devices=4, check=False)
+    assert out.returncode != 0 and "does not split over 4 devices" in out.stderr
+    # a run directory holding another run
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "b", 1))
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "b", 2, ["--objective", "ddpm"]), check=False)
+    assert out.returncode != 0 and "holds another run" in out.stderr and "objective" in out.stderr
+    # a checkpoint of another model size
+    meta, arrays = final_state(tmp_path / "b")
+    cfg = dit.DiTConfig(**{**meta["model"], "hidden_size": 64, "num_heads": 2})
+    tx, _ = dit.make_optimizer(1e-4)
+    _, state, shardings = dit.init_state(cfg, tx, 0, dit.make_mesh(), False, jnp.float32, False)
+    with pytest.raises(ValueError, match="another model size"):
+        dit.restore_state(arrays, state, shardings, "that checkpoint")
+    # a missing dataset
+    out = run_dit(tmp_path, ["--dataset", "imagenet100", "--data-dir", str(tmp_path / "nowhere"),
+                             "--run-dir", str(tmp_path / "c")], check=False)
+    assert out.returncode != 0 and "prepare_imagenet100.py" in out.stderr
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, folder_data):
+    # From step 5 on, the data holds an infinity: the loss of step 5 is the first that is not finite.
+    poison = """
+batch = dit.Loader.batch
+def poisoned(self, step):
+    x, y = batch(self, step)
+    if step >= 4:
+        x = x.copy(); x[0, 0, 0, 0] = float("inf")
+    return x, y
+dit.Loader.batch = poisoned
+"""
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 9), patch=poison, check=False)
+    assert out.returncode != 0 and "at step 5" in out.stderr
+    assert [os.path.basename(p) for p in dit.list_checkpoints(tmp_path / "run")] == ["step_0000003.npz"]
+    _, arrays = final_state(tmp_path / "run")
+    assert all(np.isfinite(v).all() for v in arrays.values())
+
+
+def test_export_sample_and_fid_samples(tmp_path, folder_data):
+    run_dir = tmp_path / "run"
+    run_dit(tmp_path, train_args(folder_data, run_dir, 3))
+    ckpt = dit.list_checkpoints(run_dir)[-1]
+    # the exported EMA weights give the same model as the checkpoint's EMA
+    m1, obj1, _ = dit.load_model(ckpt)
+    m2, obj2, _ = dit.load_model(str(run_dir / "ema.safetensors"))
+    x, t, y = jax.random.normal(jax.random.key(0), (2, 8, 8, 3)), jnp.array([10.0, 900.0]), jnp.array([0, 1])
+    assert obj1 == obj2 and obj1["name"] == "rf"
+    np.testing.assert_array_equal(np.asarray(m1(x, t, y)), np.asarray(m2(x, t, y)))
+    _, arrays = dit.read_checkpoint(ckpt)
+    np.testing.assert_array_equal(np.asarray(m1.blocks[1].mlp.fc2.kernel[...]), arrays["ema.blocks.1.mlp.fc2.kernel"])
+    # a grid, and FID samples with labels spread evenly over the classes
+    run_dit(tmp_path, ["sample", "--ckpt", ckpt, "--steps", "3", "--n", "4", "--out", str(tmp_path / "g.png"),
+                       "--gif", str(tmp_path / "g.gif")], devices=2)
+    assert Image.open(tmp_path / "g.png").size == (2 * 10 + 2, 2 * 10 + 2)
+    assert Image.open(tmp_path / "g.gif").n_frames > 3
+    run_dit(tmp_path, ["sample", "--ckpt", ckpt, "--steps", "3", "--fid", "10", "--batch-size", "4",
+                       "--out", str(tmp_path / "s.npz")], devices=2)
+    with np.load(tmp_path / "s.npz") as f:
+        assert f["arr_0"].shape == (10, 8, 8, 3) and f["arr_0"].dtype == np.uint8
+        assert np.bincount(f["labels"]).tolist() == [5, 5]
+
+
+def test_bench_reports_figures(tmp_path):
+    out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "8", "--batch-size", "8",
+                             "--precision", "fp32", "--steps", "2"], devices=2)
+    assert "images/s" in out.stdout and "ms/step" in out.stdout and "MFU" in out.stdout
+
+
+def test_flops_match_the_paper():
+    """Table 4 of the paper gives forward Gflops (multiply-adds) of the twelve models at 256x256."""
+    paper = {"S/8": 0.36, "S/4": 1.41, "S/2": 6.06, "B/8": 1.42, "B/4": 5.56, "B/2": 23.01,
+             "L/8": 5.01, "L/4": 19.70, "L/2": 80.71, "XL/8": 7.39, "XL/4": 29.05, "XL/2": 118.64}
+    for name, gflops in paper.items():
+        assert dit.dit_flops(dit.dit_config(name)) / 2e9 == pytest.approx(gflops, rel=0.01), name
+
+
+#################################################################################
+#                      FID and the restricted torch reader                      #
+#################################################################################
+# Tests of fid.py: the restricted torch reader, the FID InceptionV3 against pytorch-fid, FID and IS.
+
+#################################################################################
+#                    Hand-built torch.save files (no torch needed)              #
+#################################################################################
+
+class _Global:
+    """A global `module.name` in a hand-written pickle."""
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+
+
+class _Call:
+    """`func(*args)` in a hand-written pickle (REDUCE)."""
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+
+class _PersistentId:
+    def __init__(self, value):
+        self.value = value
+
+
+class _NewObj:
+    """`cls.__new__(cls)` then `__dict__.update(state)` (NEWOBJ + BUILD), as protocol 2 pickles plain objects."""
+    def __init__(self, cls, state):
+        self.cls, self.state = cls, state
+
+
+def _emit(x):
+    """Pickle opcodes for x, written out by hand so that any global can be named without importing it."""
+    if isinstance(x, _Global):
+        return b"c" + f"{x.module}\n{x.name}\n".encode()
+    if isinstance(x, _Call):
+        return _emit(x.func) + _emit(tuple(x.args)) + b"R"
+    if isinstance(x, _PersistentId):
+        return _emit(x.value) + b"Q"
+    if isinstance(x, _NewObj):
+        return _emit(x.cls) + b")" + b"\x81" + _emit(x.state) + b"b"
+    if isinstance(x, tuple):
+        return b"(" + b"".join(_emit(v) for v in x) + b"t"
+    if isinstance(x, list):
+        return b"](" + b"".join(_emit(v) for v in x) + b"e"
+    if isinstance(x, dict):
+        return b"}(" + b"".join(_emit(k) + _emit(v) for k, v in x.items()) + b"u"
+    return pickle.dumps(x, protocol=2)[2:-1]  # a scalar or string: pickle's own opcodes minus PROTO/STOP
+
+
+def _pickle(obj):
+    return b"\x80\x02" + _emit(obj) + b"."
+
+
+def _tensor(storage_name, key, numel, offset, size, stride):
+    """What torch writes for one tensor: _rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())."""
+    storage = _PersistentId(("storage", _Global("torch", storage_name), key, "cpu", numel))
+    hooks = _Call(_Global("collections", "OrderedDict"))
+    rebuild = _Global("torch._utils", "_rebuild_tensor_v2")
+    return _Call(rebuild, storage, offset, tuple(size), tuple(stride), False, hooks)
+
+
+def _write_zip(path, obj, storages):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("ckpt/data.pkl", _pickle(obj))
+        z.writestr("ckpt/byteorder", "little")
+        for key, raw in storages.items():
+            z.writestr(f"ckpt/data/{key}", raw)
+
+
+def _write_legacy(path, obj, storages, itemsizes):
+    with open(path, "wb") as f:
+        f.write(pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2))
+        f.write(pickle.dumps(1001, protocol=2))
+        f.write(pickle.dumps({"protocol_version": 1001, "little_endian": True,
+                              "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2))
+        f.write(_pickle(obj))
+        f.write(pickle.dumps(list(storages), protocol=2))
+        for key, raw in storages.items():
+            f.write(struct.pack("<q", len(raw) // itemsizes[key]) + raw)
+
+
+def _handbuilt_checkpoint():
+    """A DiT-style training checkpoint exercising offsets, strides, shared storages, bf16, int64, bool, Namespace."""
+    bf16_values = np.array([1.0, -2.5, 0.15625, 2.0 ** 100], np.float32)  # all exactly representable in bfloat16
+    storages = {
+        "0": np.arange(24, dtype=np.float32).tobytes(),
+        "1": (bf16_values.view(np.uint32) >> 16).astype("<u2").tobytes(),
+        "2": np.array([7], "<i8").tobytes(),
+        "3": np.array([True, False, True], np.bool_).tobytes(),
+    }
+    itemsizes = {"0": 4, "1": 2, "2": 8, "3": 1}
+    weight = _Call(_Global("torch._utils", "_rebuild_parameter"), _tensor("FloatStorage", "0", 24, 2, (3, 4), (1, 3)),
+                   True, _Call(_Global("collections", "OrderedDict")))
+    obj = {
+        "model": _Call(_Global("collections", "OrderedDict"), [
+            ("w", weight),                                                  # transposed view at offset 2
+            ("row", _tensor("FloatStorage", "0", 24, 20, (4,), (1,))),    # shares storage "0"
+            ("bf16", _tensor("BFloat16Storage", "1", 4, 0, (2, 2), (2, 1))),
+            ("mask", _tensor("BoolStorage", "3", 3, 0, (3,), (1,))),
+        ]),
+        "opt": {"state": {0: {"step": _tensor("LongStorage", "2", 1, 0, (), ())}},
+                "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": [0]}]},
+        "args": _NewObj(_Global("argparse", "Namespace"), {"model": "DiT-XL/2", "image_size": 256}),
+    }
+    expected = {  # name -> (values, dtype)
+        "w": (2 + np.arange(3)[:, None] + 3 * np.arange(4)[None, :], np.float32),  # offset + i*stride0 + j*stride1
+        "row": (np.arange(20, 24), np.float32),
+        "bf16": (bf16_values.reshape(2, 2), np.float32),  # bfloat16 comes back widened to float32
+        "mask": (np.array([True, False, True]), np.bool_),
+    }
+    return obj, storages, itemsizes, expected
+
+
+#################################################################################
+#                          Tests: restricted torch reader                       #
+#################################################################################
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_torch_handbuilt_checkpoint(tmp_path, fmt):
+    obj, storages, itemsizes, expected = _handbuilt_checkpoint()
+    path = str(tmp_path / "ckpt.pt")
+    _write_zip(path, obj, storages) if fmt == "zip" else _write_legacy(path, obj, storages, itemsizes)
+    ckpt = fid.load_torch(path)
+    for name, (want, dtype) in expected.items():
+        got = ckpt["model"][name]
+        assert got.shape == want.shape and got.dtype == dtype, name
+        np.testing.assert_array_equal(got, want)
+    step = ckpt["opt"]["state"][0]["step"]
+    assert step.shape == () and step.dtype == np.int64 and step == 7
+    assert ckpt["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert ckpt["args"].model == "DiT-XL/2" and ckpt["args"].image_size == 256
+
+
+def test_torch_zip_dit_reference():
+    sd = fid.load_torch(fixture("dit_reference.pt"))
+    config = json.loads(str(np.load(fixture("dit_reference.npz"))["config"]))
+    hidden, p, c = config["hidden_size"], config["patch_size"], config["in_channels"]
+    assert sd["x_embedder.proj.weight"].shape == (hidden, c, p, p)
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in sd.values())
+    # pos_embed is the fixed 2-D sin-cos table of the DiT paper (MAE's get_2d_sincos_pos_embed): first half of the
+    # channels encodes the column (w) index, second half the row (h) index, each as [sin(pos*omega), cos(pos*omega)].
+    grid = config["input_size"] // p
+    omega = 1.0 / 10000 ** (np.arange(hidden // 4) / (hidden / 4))
+    h, w = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    def enc(pos):
+        out = pos.reshape(-1)[:, None] * omega[None]
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+    want = np.concatenate([enc(w), enc(h)], axis=1)[None]
+    np.testing.assert_allclose(sd["pos_embed"], want, atol=1e-6)
+    # Every other weight was drawn from N(0, 0.05^2): a wrong dtype, offset or byte order would not look like that.
+    others = np.concatenate([v.ravel() for k, v in sd.items() if k != "pos_embed"])
+    assert others.size > 10000 and abs(others.std() - 0.05) < 0.002 and abs(others.mean()) < 0.002
+
+
+def test_torch_legacy_inception_keys():
+    sd = fid.load_torch(fixture("inception_fid_random.pth"))
+    keys = json.load(open(fixture("pt_inception_keys.json")))
+    assert set(sd) == set(keys) and len(keys) == 566
+    dtypes = {"FloatStorage": np.float32, "LongStorage": np.int64}
+    for name, info in keys.items():
+        assert list(sd[name].shape) == info["shape"], name
+        assert sd[name].dtype == dtypes[info["dtype"]], name
+    running_vars = [v for k, v in sd.items() if k.endswith("running_var")]
+    assert all(np.isfinite(v).all() and (v > 0).all() for v in running_vars)
+
+
+class _RunsShellCommand:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_torch_refuses_malicious_pickle(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsShellCommand(f"touch {marker}"), protocol=2)
+    with pytest.raises(fid.UnsafePickleError, match="system"):
+        fid.safe_unpickle(io.BytesIO(payload), {})
+    # The same call hidden in a state dict, in both torch file formats.
+    evil = {"weight": _Call(_Global("os", "system"), f"touch {marker}")}
+    _write_zip(str(tmp_path / "evil.pt"), evil, {})
+    _write_legacy(str(tmp_path / "evil.pth"), evil, {}, {})
+    for name in ("evil.pt", "evil.pth"):
+        with pytest.raises(fid.UnsafePickleError, match="os.system.*malicious"):
+            fid.load_torch(str(tmp_path / name))
+    # Allowing a harmless global does not open the door to others.
+    allowed = {("collections", "OrderedDict"): dict}
+    assert fid.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("collections", "OrderedDict")))), allowed) == {}
+    with pytest.raises(fid.UnsafePickleError):
+        fid.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("builtins", "eval"), "1"))), allowed)
+    assert not marker.exists()
+
+
+def test_torch_damaged_files_give_clear_errors(tmp_path):
+    obj, storages, itemsizes, _ = _handbuilt_checkpoint()
+    _write_zip(str(tmp_path / "good.pt"), obj, storages)
+    _write_legacy(str(tmp_path / "good.pth"), obj, storages, itemsizes)
+    cases = {"empty.pt": (b"", "empty"), "text.pt": (b"hello, not a checkpoint\n" * 10, "not a PyTorch file"),
+             "garbage.pt": (np.random.default_rng(0).bytes(1000), None)}
+    for name in ("good.pt", "good.pth"):
+        raw = (tmp_path / name).read_bytes()
+        cases["half_" + name] = (raw[: len(raw) // 2], None)
+        cases["short_" + name] = (raw[:-5], None)
+    # An archive that is not a torch file (e.g. an .npz) and one whose tensor data is shorter than declared.
+    np.savez(tmp_path / "arrays.npz", a=np.zeros(3))
+    cases["arrays.npz"] = ((tmp_path / "arrays.npz").read_bytes(), "data.pkl")
+    short = dict(storages, **{"0": storages["0"][:40]})
+    _write_zip(str(tmp_path / "short_storage.pt"), obj, short)
+    cases["short_storage.pt"] = ((tmp_path / "short_storage.pt").read_bytes(), "truncated")
+    for name, (raw, message) in cases.items():
+        path = tmp_path / ("case_" + name)
+        path.write_bytes(raw)
+        with pytest.raises(ValueError, match=message) as info:
+            fid.load_torch(str(path))
+        assert str(path) in str(info.value), name
+
+
+def test_torch_tensor_outside_its_storage_is_refused(tmp_path):
+    obj = {"w": _tensor("FloatStorage", "0", 4, 2, (3,), (1,))}  # elements 2, 3, 4 of a 4-element storage
+    _write_zip(str(tmp_path / "oob.pt"), obj, {"0": np.zeros(4, np.float32).tobytes()})
+    with pytest.raises(ValueError, match="reaches element 4"):
+        fid.load_torch(str(tmp_path / "oob.pt"))
+
+
+#################################################################################
+#                  Tests: InceptionV3, statistics, FID, IS, CLI                 #
+#################################################################################
+
+def _rel(ours, ref):
+    ref = np.asarray(ref, np.float64)
+    return np.linalg.norm(np.asarray(ours, np.float64) - ref) / np.linalg.norm(ref)
+
+
+@pytest.fixture(scope="module")
+def inception(tmp_path_factory):
+    """The FID InceptionV3 with the random-weight fixture (the real weights are not needed for parity)."""
+    weights = fixture("inception_fid_random.pth")
+    with pytest.warns(UserWarning, match="not pytorch-fid's official"):
+        return fid.load_inception(weights, cache_dir=str(tmp_path_factory.mktemp("cache")))
+
+
+def test_fid_resize_matches_torch_formula():
+    # Hand-computed from torch's rule src = (i + 0.5) * in / out - 0.5, clamped at 0, linear between neighbours.
+    # Upsampling 3 -> 5: src = 0 (clamped from -0.2), 0.4, 1.0, 1.6, 2.2 (the last pixel repeats past the edge).
+    up = [[1, 0, 0], [0.6, 0.4, 0], [0, 1, 0], [0, 0.4, 0.6], [0, 0, 1]]
+    np.testing.assert_allclose(fid.resize_matrix(3, 5), up, atol=1e-6)
+    # Downsampling 5 -> 2: src = 0.75 and 3.25; no antialiasing, so pixel 2 does not contribute at all.
+    down = [[0.25, 0.75, 0, 0, 0], [0, 0, 0, 0.75, 0.25]]
+    np.testing.assert_allclose(fid.resize_matrix(5, 2), down, atol=1e-6)
+    np.testing.assert_array_equal(fid.resize_matrix(299, 299), np.eye(299))
+    # The 2-D resize applies the rule along each axis: out[i, j] = sum_hw R_rows[i, h] R_cols[j, w] x[h, w].
+    x = np.random.default_rng(0).random((2, 3, 5, 4)).astype(np.float32)  # (B, H, W, C)
+    out = np.asarray(fid.resize_bilinear(x, 5, 2))
+    np.testing.assert_allclose(out, np.einsum("ih,jw,bhwc->bijc", np.array(up), np.array(down), x), atol=1e-6)
+
+
+def test_fid_features_match_pytorch_fid_set32(inception):
+    ref = np.load(fixture("inception_reference.npz"))
+    n = 7  # a subset keeps the test short on a CPU
+    images, pool, logits = ref["set32"][:n], ref["set32_pool3"][:n], ref["set32_logits"][:n]
+    features = fid.InceptionFeatures(inception, batch_size=3, progress=False)  # 3 steps, the last one padded
+    features.update(images)
+    with pytest.warns(UserWarning, match="singular"):
+        out = features.result()
+    assert out["count"] == n and out["logits"].shape == logits.shape
+    assert _rel(out["logits"], logits) < 1e-4
+    assert _rel(out["mu"], pool.astype(np.float64).mean(axis=0)) < 1e-4
+    assert _rel(out["sigma"], np.cov(pool.astype(np.float64), rowvar=False)) < 1e-4
+
+
+def test_fid_evaluate_matches_pytorch_fid_features(inception):
+    ref = np.load(fixture("inception_reference.npz"))
+    n = 20  # two images in each of the Inception Score's 10 splits (with one each, the score is exactly 1)
+    pool, logits = ref["set32_pool3"][:n].astype(np.float64), ref["set32_logits"][:n]
+    # No reference statistics: a 2048-d FID of 10 images would spend half a minute in sqrtm of a singular matrix.
+    with pytest.warns(UserWarning, match="singular"):
+        out = fid.evaluate(ref["set32"][:n], inception=inception, batch_size=3, progress=False)
+    assert out["count"] == n and out["fid"] is None
+    assert _rel(out["mu"], pool.mean(axis=0)) < 1e-4 and _rel(out["sigma"], np.cov(pool, rowvar=False)) < 1e-4
+    expected_is = fid.inception_score(logits)[0]  # from pytorch-fid's logits
+    # The score sits close to 1 with random weights, so compare what lies above 1.
+    assert expected_is > 1.0001 and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1)
+
+
+def test_fid_features_sharded_over_two_devices(tmp_path):
+    # Two simulated CPU devices in a fresh process: 5 images at 2 per device make a full step of 4, then a step
+    # holding 1 image and 3 of padding spread over both devices; the padding must be dropped, the order kept.
+    weights, reference = fixture("inception_fid_random.pth"), fixture("inception_reference.npz")
+    script = f"""
+import warnings, numpy as np, jax, fid
+assert jax.local_device_count() == 2
+warnings.simplefilter("ignore")
+features = fid.InceptionFeatures(fid.load_inception({weights!r}, cache_dir={str(tmp_path)!r}), 2, progress=False)
+features.update(np.load({reference!r})["set32"][:5])
+np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
+"""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", script], cwd=HERE, env=env, check=True, timeout=120)
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.shape == (5, 1008)
+    assert _rel(logits, np.load(reference)["set32_logits"][:5]) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["set256", "set384"])
+def test_fid_inception_matches_pytorch_fid(inception, name):
+    ref = np.load(fixture("inception_reference.npz"))
+    images = ref[name][:6]  # a subset keeps the test short on a CPU
+    pool, logits = nnx.jit(lambda model, x: model(x))(inception, images)
+    assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
+    assert _rel(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
+    assert _rel(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
+
+
+def test_fid_frechet_distance_matches_pytorch_fid():
+    ref = np.load(fixture("inception_reference.npz"))
+    value = fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"], ref["sigma2"])
+    assert abs(value - ref["fid"]) / ref["fid"] < 1e-6
+    with pytest.raises(ValueError, match="do not match"):
+        fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"][:10], ref["sigma2"][:10, :10])
+
+
+def test_fid_frechet_distance_of_known_gaussians():
+    # For commuting covariances the distance is ||mu1 - mu2||^2 + sum (sqrt(a_i) - sqrt(b_i))^2.
+    a, b = np.array([1.0, 4.0, 9.0]), np.array([4.0, 1.0, 0.25])
+    mu1, mu2 = np.array([0.0, 1.0, 2.0]), np.array([1.0, 1.0, 0.0])
+    expected = 5.0 + np.sum((np.sqrt(a) - np.sqrt(b)) ** 2)
+    assert abs(fid.frechet_distance(mu1, np.diag(a), mu2, np.diag(b)) - expected) < 1e-12
+
+
+def test_fid_statistics_accumulator_equals_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(301, 16)) * rng.random(16) * 10 + 1000  # a large offset tests the numerics
+    stats = fid.FeatureStats(16)
+    for part in np.array_split(x, [1, 2, 50, 51, 200]):  # uneven batches, some of size 1
+        stats.update(part)
+    mu, sigma = stats.mu_sigma()
+    assert stats.count == len(x)
+    np.testing.assert_allclose(mu, x.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(sigma, np.cov(x, rowvar=False), rtol=1e-9, atol=1e-9)
+    with pytest.warns(UserWarning, match="rank at most 4"):
+        small = fid.FeatureStats(16)
+        small.update(x[:5])
+        small.mu_sigma()
+
+
+def test_fid_inception_score_of_known_predictions():
+    # Identical predictions: p(y|x) = p(y), so the KL is 0 and the score is exactly 1.
+    assert fid.inception_score(np.zeros((40, 1008))) == pytest.approx((1.0, 0.0), abs=1e-12)
+    # Confident predictions spread evenly over 5 classes in every split: KL = log 5, the score is 5.
+    logits = 100.0 * np.eye(1008)[np.arange(50) % 5]
+    mean, std = fid.inception_score(logits, splits=10)
+    assert mean == pytest.approx(5.0, rel=1e-6) and std == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="at least 10 images"):
+        fid.inception_score(logits[:9])
+
+
+def test_fid_statistics_files(tmp_path):
+    rng = np.random.default_rng(0)
+    mu, sigma = rng.normal(size=8), np.cov(rng.normal(size=(20, 8)), rowvar=False)
+    fid.save_statistics(str(tmp_path / "stats.npz"), mu, sigma)
+    for got, want in zip(fid.load_statistics(str(tmp_path / "stats.npz")), (mu, sigma)):
+        np.testing.assert_array_equal(got, want)
+    # OpenAI's reference batches keep the images in arr_0 beside mu and sigma.
+    np.savez(tmp_path / "openai.npz", arr_0=np.zeros((2, 4, 4, 3), np.uint8), mu=mu.astype(np.float32), sigma=sigma)
+    np.testing.assert_allclose(fid.load_statistics(str(tmp_path / "openai.npz"))[0], mu, rtol=1e-6)
+    np.savez(tmp_path / "images.npz", arr_0=np.zeros((2, 4, 4, 3), np.uint8))
+    with pytest.raises(ValueError, match="not FID statistics.*fid.py stats"):
+        fid.load_statistics(str(tmp_path / "images.npz"))
+
+
+def test_fid_load_inception_rejects_wrong_weights(tmp_path):
+    with pytest.raises(ValueError, match="not pytorch-fid's FID Inception weights.*missing.*Conv2d_1a_3x3"), \
+            pytest.warns(UserWarning, match="not pytorch-fid's official"):
+        fid.load_inception(fixture("dit_reference.pt"), cache_dir=str(tmp_path))
+    official_name = tmp_path / fid.FID_WEIGHTS_NAME  # a damaged download under the official name
+    official_name.write_bytes(b"not the weights")
+    with pytest.raises(ValueError, match="sha256.*damaged"):
+        fid.load_inception(str(official_name), cache_dir=str(tmp_path))
+
+
+def test_fid_image_inputs_are_checked(tmp_path, inception):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(folder / "a.png")  # grayscale becomes RGB
+    Image.fromarray(np.zeros((8, 6, 3), np.uint8)).save(folder / "b.png")
+    images = fid.load_images(str(folder))
+    assert len(images) == 2 and images[:1].shape == (1, 8, 8, 3)
+    with pytest.raises(ValueError, match="b.png is 6x8.*one size"):
+        images[:2]
+    features = fid.InceptionFeatures(inception, progress=False)
+    with pytest.raises(ValueError, match="uint8"):
+        features.update(np.zeros((2, 8, 8, 3), np.float32))
+    np.savez(tmp_path / "stats.npz", mu=np.zeros(3), sigma=np.eye(3))
+    with pytest.raises(ValueError, match="no images"):
+        fid.load_images(str(tmp_path / "stats.npz"))
+
+
+def test_fid_command_line(tmp_path, monkeypatch, capsys):
+    ref = np.load(fixture("inception_reference.npz"))
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
+    fid.save_statistics(str(tmp_path / "a.npz"), ref["mu1"], ref["sigma1"])
+    fid.save_statistics(str(tmp_path / "b.npz"), ref["mu2"], ref["sigma2"])
+    fid.main(["fid", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
+    assert f"FID: {float(ref['fid']):.4f}" in capsys.readouterr().out
+    # Statistics of a folder of PNGs (lossless) equal those of pytorch-fid's features of the same images.
+    folder = tmp_path / "images"
+    folder.mkdir()
+    n = 7
+    for i, image in enumerate(ref["set32"][:n]):
+        Image.fromarray(image).save(folder / f"{i}.png")
+    with pytest.warns(UserWarning):
+        fid.main(["stats", str(folder), str(tmp_path / "out.npz"), "--batch-size", "3",
+                  "--weights", fixture("inception_fid_random.pth")])
+    mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
+    pool = ref["set32_pool3"][:n].astype(np.float64)
+    assert _rel(mu, pool.mean(axis=0)) < 1e-4 and _rel(sigma, np.cov(pool, rowvar=False)) < 1e-4
