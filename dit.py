@@ -1861,11 +1861,11 @@ def train(args):
             done = step + 1
             if done % args.log_every == 0 or done == args.steps or done % args.ckpt_every == 0:
                 # Reading the loss waits for the device, so it is done once per logging interval.
-                losses = [float(m["loss"]) for m in pending]
-                bad = [s for s, v in zip(range(done - len(losses), done), losses) if not math.isfinite(v)]
-                if bad:
-                    raise FloatingPointError(f"the loss became {losses[bad[0] - done + len(losses)]} at step "
-                                             f"{bad[0] + 1}; the last good checkpoint is kept in {args.run_dir}")
+                losses = [float(m["loss"]) for m in pending]  # of steps done - len(losses) + 1 ... done
+                for i, value in enumerate(losses):
+                    if not math.isfinite(value):
+                        raise FloatingPointError(f"the loss became {value} at step {done - len(losses) + i + 1}; "
+                                                 f"the last good checkpoint is kept in {args.run_dir}")
                 seconds = (time.perf_counter() - t0) / len(pending)
                 record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": float(pending[-1]["grad_norm"]),
                           "lr": float(schedule(done)), "images_per_s": args.batch_size / seconds,
@@ -1873,6 +1873,7 @@ def train(args):
                 log(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
                 pending, t0 = [], time.perf_counter()
+            t_extra = time.perf_counter()
             if done % args.ckpt_every == 0 or done == args.steps:
                 save_checkpoint(args.run_dir, state, meta, args.keep)
             if done % args.sample_every == 0 or done == args.steps:
@@ -1881,6 +1882,7 @@ def train(args):
                     save_grid(images, os.path.join(args.run_dir, "samples", f"step_{done:07d}.png"))
             if args.fid_every and done % args.fid_every == 0:
                 run_fid(done, args.fid_samples)
+            t0 += time.perf_counter() - t_extra  # checkpoints, grids and FID are not training time
     finally:
         loader.close()
     if jax.process_index() == 0 and list_checkpoints(args.run_dir):
