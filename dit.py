@@ -1846,8 +1846,8 @@ def train(args):
             return
         images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
         result = evaluate_samples(images, fid_ref, args.inception)
-        log({"step": step, f"fid{n // 1000}k": result["fid"], "inception_score": result["inception_score"]})
-        print(f"step {step}: FID-{n // 1000}K {result['fid']:.2f}, IS {result['inception_score']:.2f}")
+        log({"step": step, "fid": result["fid"], "fid_samples": n, "inception_score": result["inception_score"]})
+        print(f"step {step}: {describe_scores(result, n)}")
 
     loader = Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count())
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=jax.process_index() != 0)
@@ -1953,8 +1953,8 @@ def to_uint8(images):
     return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
 
 
-def save_grid(images, path, nrow=None):
-    """Tile uint8 images (N, H, W, C) into one PNG, 2-pixel gaps, nrow per row (square by default)."""
+def make_grid(images, nrow=None):
+    """Tile uint8 images (N, H, W, C) into one image, 2-pixel gaps, nrow per row (square by default)."""
     n, h, w, c = images.shape
     nrow = nrow or math.ceil(math.sqrt(n))
     rows = math.ceil(n / nrow)
@@ -1962,9 +1962,12 @@ def save_grid(images, path, nrow=None):
     for i, img in enumerate(images):
         r, q = divmod(i, nrow)
         grid[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + q * (w + 2):2 + q * (w + 2) + w] = img
+    return Image.fromarray(grid[..., 0] if c == 1 else grid)
+
+
+def save_grid(images, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
-    return grid
+    make_grid(images).save(path)
 
 
 class Sampler:
@@ -1974,14 +1977,13 @@ class Sampler:
     def __init__(self, model, objective, mesh, *, steps, method, cfg_scale, guidance_channels=None,
                  interval=None, vae=None, latent_scale=None, return_trajectory=False):
         graphdef = nnx.graphdef(model)
-        self.model, self.mesh, self.trajectory = model, mesh, return_trajectory
+        self.trajectory = return_trajectory
         batch = NamedSharding(mesh, P("data"))
 
         def run(params, noise, y, key):
-            m = nnx.merge(graphdef, params)
-            out = sample(m, objective, noise, y, key, steps=steps, method=method, cfg_scale=cfg_scale,
-                         guidance_channels=guidance_channels, interval=interval, return_trajectory=return_trajectory)
-            return out
+            return sample(nnx.merge(graphdef, params), objective, noise, y, key, steps=steps, method=method,
+                          cfg_scale=cfg_scale, guidance_channels=guidance_channels, interval=interval,
+                          return_trajectory=return_trajectory)
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
         # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too, so
@@ -2001,11 +2003,12 @@ class Sampler:
 
     def __call__(self, params, noise, y, key):
         """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with return_trajectory,
-        also the images of every step (S+1, B, H', W', C')."""
+        also the images of at most 60 evenly spaced steps, noise first (F, B, H', W', C'), for an animation."""
         out = self.run(params, noise, y, key)
         if self.trajectory:
             x, traj = out
-            return self.images(x), np.stack([self.images(xt) for xt in traj])
+            frames = np.linspace(0, len(traj) - 1, min(len(traj), 60)).round().astype(int)
+            return self.images(x), np.stack([self.images(traj[i]) for i in frames])
         return self.images(out)
 
 
@@ -2025,6 +2028,11 @@ def generate(sampler, params, n, batch_size, shape, num_classes, seed):
         noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
         chunks.append(sampler(params, noise, jnp.asarray(y, jnp.int32), jax.random.fold_in(jax.random.key(seed + 1), i)))
     return np.concatenate(chunks)[:n], labels
+
+
+def describe_scores(result, n):
+    score = result["inception_score"]  # None below 10 images
+    return f"FID-{n / 1000:g}K {result['fid']:.3f}, Inception Score {'n/a' if score is None else f'{score:.2f}'}"
 
 
 def evaluate_samples(images, ref, inception=None):
@@ -2109,8 +2117,8 @@ def sample_command(args):
     cfg = model.cfg
     latent_scale = meta.get("latent_scale", 0.18215 if cfg.in_channels == 4 else None)
     vae = load_vae(args.vae) if latent_scale else None
-    shape = (*cfg.grid, cfg.in_channels)
-    shape = (shape[0] * cfg.patch_size, shape[1] * cfg.patch_size, cfg.in_channels)
+    h, w = cfg.grid
+    shape = (h * cfg.patch_size, w * cfg.patch_size, cfg.in_channels)  # (H, W, C) of the model's input
     sampler = Sampler(model, objective, mesh, steps=steps, method=method,
                       cfg_scale=args.cfg_scale if cfg.num_classes else 1.0,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
@@ -2125,10 +2133,10 @@ def sample_command(args):
             print(f"{len(images)} samples -> {out}")
         if args.ref:
             result = evaluate_samples(images, args.ref, args.inception)
-            print(f"FID-{args.fid // 1000}K {result['fid']:.3f}   Inception Score {result['inception_score']:.2f}")
+            print(describe_scores(result, args.fid))
         return
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()
-    labels = (np.asarray(args.labels * n)[:n] if args.labels else np.arange(n) % max(cfg.num_classes, 1))
+    labels = np.resize(args.labels, n) if args.labels else np.arange(n) % max(cfg.num_classes, 1)
     noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
     out = sampler(params, noise, jnp.asarray(labels, jnp.int32), jax.random.key(args.seed + 1))
     images, trajectory = out if args.gif else (out, None)
@@ -2136,9 +2144,8 @@ def sample_command(args):
     save_grid(images[:args.n], out_path)
     print(f"{args.n} samples -> {out_path}")
     if args.gif:
-        frames = trajectory[np.linspace(0, len(trajectory) - 1, min(len(trajectory), 60)).round().astype(int)]
-        grids = [Image.fromarray(save_grid(f[:args.n], out_path + ".frame.png").squeeze()) for f in frames]
-        os.remove(out_path + ".frame.png")
+        grids = [make_grid(frame[:args.n]) for frame in trajectory]
+        # hold the final grid for a while before the animation loops
         grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20, duration=60, loop=0)
         print(f"trajectory -> {args.gif}")
 
