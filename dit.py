@@ -2,8 +2,9 @@
 
 One file, read from top to bottom in the order the data flows:
 
-    configuration -> model -> objectives and samplers -> autoencoder -> data -> training
-    -> sampling and evaluation -> command line
+    configuration -> model (and loading official checkpoints) -> objectives and samplers
+    -> autoencoder -> data -> training (step, checkpoints, loop) -> sampling and evaluation
+    -> benchmark -> command line
 
 Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICCV 2023
 (arXiv:2212.09748). Official PyTorch code: github.com/facebookresearch/DiT. On the same weights and
@@ -206,9 +207,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x):  # (B, T, D)
         B, T, D = x.shape
-        q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads), 3, axis=2)
-        # jax picks the fused kernel for the platform (cuDNN flash attention on GPUs where it applies).
-        out = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0])  # (B, T, H, D/H)
+        qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
+        q, k, v = qkv.transpose(2, 0, 1, 3, 4)  # each (B, T, H, D/H)
+        out = jax.nn.dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(D/H)) v, (B, T, H, D/H)
         return self.proj(out.reshape(B, T, D))
 
 
@@ -314,7 +315,7 @@ class DiT(nnx.Module):
         """
         half = x[: x.shape[0] // 2]
         out = self(jnp.concatenate([half, half]), t, y)              # (2B, H, W, C_out)
-        n = self.cfg.in_channels if guidance_channels is None else guidance_channels
+        n = self.cfg.in_channels if guidance_channels is None else min(guidance_channels, self.cfg.in_channels)
         guided, rest = out[..., :n], out[..., n:]
         cond, uncond = jnp.split(guided, 2)
         scale = jnp.full(t.shape, cfg_scale, jnp.float32)
@@ -339,13 +340,13 @@ def torch_name(path):
     """The PyTorch state-dict key of one of our parameters: ('blocks', 0, 'attn', 'qkv', 'kernel') ->
     'blocks.0.attn.qkv.weight'. nnx.Sequential stores its layers under 'layers', which PyTorch omits."""
     names = [str(p) for p in path if p != "layers"]
-    names[-1] = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(names[-1], names[-1])
+    names[-1] = {"kernel": "weight", "embedding": "weight"}.get(names[-1], names[-1])
     return ".".join(names)
 
 
 def to_torch_layout(leaf, value):
     """Our layout -> PyTorch's for the parameter called `leaf`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in both."""
+    convolution kernels HWIO -> OIHW; embedding tables and biases are the same in both."""
     if leaf != "kernel":
         return value
     return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
@@ -362,7 +363,8 @@ def load_state_dict(model, state_dict, what):
     """Copy a PyTorch state dict into `model`, checking every key and shape; conversions in to_torch_layout.
 
     Keys the model lacks, and model parameters the file lacks, are errors that name them: they mean
-    the file holds another architecture. `what` names the file in messages.
+    the file holds another architecture. (pos_embed, the fixed table, is recomputed, not loaded.)
+    `what` names the file in messages.
     """
     params = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(params)
@@ -378,7 +380,10 @@ def load_state_dict(model, state_dict, what):
                              f"{to_torch_layout(path[-1], np.empty(var.shape)).shape}: the checkpoint is from "
                              f"another model size or configuration")
         var[...] = jnp.asarray(value, var.dtype)
-    return set(state_dict) - set(ours)
+    extra = set(state_dict) - set(ours) - {"pos_embed"}
+    if extra:
+        raise ValueError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it holds "
+                         f"another architecture or configuration")
 
 
 def infer_dit_config(state_dict):
@@ -411,10 +416,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
         raise ValueError(f"{path} is not a DiT state dict (no 'x_embedder.proj.weight')")
     cfg = cfg or infer_dit_config(state_dict)
     model = DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs)
-    extra = load_state_dict(model, state_dict, path) - {"pos_embed"}
-    if extra:
-        raise ValueError(f"{path} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it holds "
-                         f"another architecture or configuration")
+    load_state_dict(model, state_dict, path)
     table = sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid)
     if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
         raise ValueError(f"{path}: pos_embed differs from the 2-D sin-cos table of a {cfg.grid} grid")
@@ -476,8 +478,9 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
 
 
 def _extract(table, t, ndim):
-    """table[t] for a batch of step indices t (B,), cast to float32 and shaped (B, 1, ..., 1) to broadcast
-    against (B, H, W, C). The table stays float64 until the gather, as in the official _extract_into_tensor."""
+    """table[t] for a batch of step indices t (B,), as float32 shaped (B, 1, ..., 1) to broadcast against
+    (B, H, W, C). The table is computed in float64 and rounded to float32, the values the official
+    _extract_into_tensor gathers."""
     values = jnp.asarray(table, dtype=jnp.float32)[t]
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
@@ -532,6 +535,9 @@ class GaussianDiffusion:
         base_alphas_cumprod = np.cumprod(1.0 - base_betas)
 
         self.timestep_map = np.array(space_timesteps(num_timesteps, timestep_respacing or str(num_timesteps)))
+        if len(self.timestep_map) < 2:  # the posterior variance at t = 0 is clipped to the one at t = 1
+            raise ValueError(f"a DDPM chain needs at least 2 steps, {timestep_respacing!r} gives "
+                             f"{len(self.timestep_map)}")
         kept = base_alphas_cumprod[self.timestep_map]
         # The official code respaces even when keeping every step, which changes betas in the last bits;
         # do the same so that the constants match theirs exactly.
@@ -1387,7 +1393,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with --pixels R),
     memory-mapped so that the whole set never has to fit in host memory."""
-    hint = (f"run `python prepare_imagenet100.py --out {data_dir}` on the Kaggle ImageNet-100 download first "
+    hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 download first "
             f"(add --pixels 64 for pixel-space training), or pass --data-dir with the folder it wrote")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"no prepared ImageNet-100 at {data_dir}: {hint}")
@@ -1554,7 +1560,9 @@ def make_objective(objective, timestep_sampling="logit_normal", loc=0.0, scale=1
     """Rectified flow (the default) or DiT's DDPM (`ddpm`, for exact reproduction of the paper)."""
     if objective == "ddpm":
         return GaussianDiffusion()
-    return RectifiedFlow(timestep_sampling, loc, scale)
+    if objective == "rf":
+        return RectifiedFlow(timestep_sampling, loc, scale)
+    raise ValueError(f"unknown objective {objective!r}; use 'rf' or 'ddpm'")
 
 
 def make_optimizer(lr, warmup=0, grad_clip=0.0):
@@ -1612,9 +1620,10 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
     return train_step
 
 
-def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat):
+def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     """Model, EMA (a copy of the initial model, as in DiT) and optimizer state, created directly in
-    their shardings so that a model too large for one device is never whole on one."""
+    their shardings so that a model too large for one device is never whole on one; or, given a
+    checkpoint path, read from it (without initialising first, which would need memory twice)."""
     def init():
         # Plain nested dicts of arrays: checkpoints then name each array by its path (blocks.0.attn...).
         params = nnx.to_pure_dict(nnx.state(DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed)), nnx.Param))
@@ -1624,7 +1633,11 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat):
     abstract = jax.eval_shape(init)
     shardings = state_shardings(abstract, mesh, fsdp)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))))
-    return graphdef, jax.jit(init, out_shardings=shardings)(), shardings
+    if checkpoint:
+        state = restore_state(read_checkpoint(checkpoint)[1], abstract, shardings, checkpoint)
+    else:
+        state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state, shardings
 
 
 #################################################################################
@@ -1639,7 +1652,9 @@ def flatten(tree):
 
 def to_host(x):
     """A global array as one numpy array on this host, gathered from the other hosts when it is spread."""
-    return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def write_atomically(path, write):
@@ -1673,7 +1688,8 @@ def save_checkpoint(run_dir, state, meta, keep):
 
 
 def list_checkpoints(run_dir):
-    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among them)."""
+    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among them;
+    train() deletes those when it resumes)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         return []
@@ -1710,14 +1726,14 @@ def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
     model configuration in the metadata: small enough to share, and loadable by the official code."""
     meta, arrays = read_checkpoint(ckpt_path)
-    cfg = DiTConfig(**meta["model"])
+    cfg = config_from_json(meta["model"])
     model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0)))
     tensors = {}
     for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = "ema." + ".".join(str(p) for p in path)
         tensors[torch_name(path)] = to_torch_layout(path[-1], arrays[name])
     tensors["pos_embed"] = sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid)[None].astype(np.float32)
-    header = {"model": json.dumps(meta["model"]), "objective": json.dumps(meta["objective"])}
+    header = {key: json.dumps(meta[key]) for key in ("model", "objective", "latent_scale")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
 
@@ -1762,11 +1778,11 @@ RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "l
 
 
 def setup_distributed(args):
-    """Join the other processes of a multi-host run: automatic on Cloud TPU pods (and SLURM), or by
-    --coordinator/--num-processes/--process-id (or JAX's own environment variables) elsewhere."""
+    """Join the other processes of a multi-host run: automatic on Cloud TPU pod slices (whose hosts
+    find each other through TPU_WORKER_HOSTNAMES), by --coordinator/--num-processes/--process-id elsewhere."""
     if args.coordinator or args.num_processes:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost" or "SLURM_JOB_ID" in os.environ:
+    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost":
         jax.distributed.initialize()
 
 
@@ -1809,13 +1825,19 @@ def train(args):
                           "loc": args.ln_loc, "scale": args.ln_scale}}
     dtype = compute_dtype(args.precision)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
-    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat)
-    if list_checkpoints(args.run_dir):
-        path = list_checkpoints(args.run_dir)[-1]
-        _, arrays = read_checkpoint(path)
-        state = restore_state(arrays, state, shardings, path)
-        print(f"resumed {path}")
-    start = int(state["step"])
+    checkpoint = (list_checkpoints(args.run_dir) or [None])[-1]
+    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat, checkpoint)
+    start = int(to_host(state["step"]))
+    # Only process 0 writes checkpoints: the run directory must be one that every host sees.
+    multihost_utils.assert_equal(start, f"the hosts found different checkpoints in {args.run_dir}: it must be "
+                                        f"on a filesystem that all hosts share")
+    if checkpoint:
+        print(f"resumed {checkpoint}")
+        if jax.process_index() == 0:  # half-written files of a save that a crash interrupted
+            ckpt_dir = os.path.dirname(checkpoint)
+            for name in os.listdir(ckpt_dir):
+                if ".npz.tmp" in name:
+                    os.remove(os.path.join(ckpt_dir, name))
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} parameters, "
           f"{jax.device_count()} devices, {jax.process_count()} processes, {args.precision}")
@@ -1826,14 +1848,15 @@ def train(args):
     vae = load_vae(args.vae) if ds.is_latent else None
     grid_n = math.ceil(16 / jax.device_count()) * jax.device_count()
     grid_noise, grid_labels = fixed_noise(jax.random.key(args.seed + 1), grid_n, (H, W, C), ds.num_classes)
-    ema_model = nnx.merge(graphdef, state["ema"])
     sample_method = "euler" if args.objective == "rf" else "ddpm"
-    grid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
-                           cfg_scale=args.cfg_scale if ds.num_classes else 1.0, vae=vae, latent_scale=ds.latent_scale)
-    fid_sampler = Sampler(ema_model, objective, mesh, steps=args.sample_steps, method=sample_method,
-                          cfg_scale=args.fid_cfg_scale if ds.num_classes else 1.0, vae=vae,
+    grid_sampler = Sampler(graphdef, objective, mesh, steps=args.sample_steps, method=sample_method,
+                           cfg_scale=args.cfg_scale, vae=vae, latent_scale=ds.latent_scale)
+    fid_sampler = Sampler(graphdef, objective, mesh, steps=args.sample_steps, method=sample_method,
+                          cfg_scale=args.fid_cfg_scale, vae=vae,
                           latent_scale=ds.latent_scale) if args.fid_every or args.final_fid else None
-    fid_ref = args.fid_ref or (os.path.join(args.data_dir, "fid_stats.npz") if args.dataset == "imagenet100" else None)
+    fid_ref = args.fid_ref
+    if fid_ref is None and args.dataset == "imagenet100":
+        fid_ref = os.path.join(args.data_dir or default_data_dir("imagenet100"), "fid_stats.npz")
 
     def log(record):
         if jax.process_index() == 0:
@@ -1862,13 +1885,15 @@ def train(args):
             if done % args.log_every == 0 or done == args.steps or done % args.ckpt_every == 0:
                 # Reading the loss waits for the device, so it is done once per logging interval.
                 losses = [float(m["loss"]) for m in pending]  # of steps done - len(losses) + 1 ... done
-                for i, value in enumerate(losses):
-                    if not math.isfinite(value):
-                        raise FloatingPointError(f"the loss became {value} at step {done - len(losses) + i + 1}; "
-                                                 f"the last good checkpoint is kept in {args.run_dir}")
+                norms = [float(m["grad_norm"]) for m in pending]
+                for i, (loss, norm) in enumerate(zip(losses, norms)):
+                    if not (math.isfinite(loss) and math.isfinite(norm)):
+                        raise FloatingPointError(f"the loss became {loss} (gradient norm {norm}) at step "
+                                                 f"{done - len(losses) + i + 1}; the last good checkpoint is "
+                                                 f"kept in {args.run_dir}")
                 seconds = (time.perf_counter() - t0) / len(pending)
-                record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": float(pending[-1]["grad_norm"]),
-                          "lr": float(schedule(done)), "images_per_s": args.batch_size / seconds,
+                record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": norms[-1],
+                          "lr": float(schedule(done - 1)), "images_per_s": args.batch_size / seconds,
                           "s_per_step": seconds}
                 log(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
@@ -1917,14 +1942,15 @@ def load_model(path, dtype=jnp.float32):
             var[...] = jnp.asarray(arrays["ema." + ".".join(str(k) for k in p)])
         return model, meta["objective"], meta
     if path.endswith(".safetensors"):
-        meta = {k: json.loads(v) for k, v in safetensors_metadata(path).items()}
-        if "model" not in meta:
+        raw = safetensors_metadata(path)
+        if "model" not in raw:
             raise ValueError(f"{path} has no model configuration in its metadata; was it written by `dit.py export`?")
+        meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
         model = DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0))
         load_state_dict(model, read_safetensors(path), path)
         return model, meta["objective"], meta
-    # The released checkpoints were trained with DDPM (and sampled at 250 steps in the paper).
-    return load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"}, {}
+    # The released checkpoints were trained with DDPM on SD-VAE latents (sampled at 250 steps in the paper).
+    return load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"}, {"latent_scale": VAEConfig().scaling_factor}
 
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
@@ -1932,6 +1958,9 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free guidance
     when cfg_scale != 1: the batch is doubled with null labels and the guided half kept. Pure; jit it."""
     guided = cfg_scale != 1 and model.cfg.num_classes
+    if guided and not model.cfg.class_dropout_prob:
+        raise ValueError("classifier-free guidance needs the null label, which a model trained without label "
+                         "dropout (class_dropout_prob 0) lacks: sample with cfg_scale 1")
     if guided:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
@@ -1974,9 +2003,8 @@ class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the mesh:
     noise, labels and outputs are split along the batch; latents are decoded by the VAE when given."""
 
-    def __init__(self, model, objective, mesh, *, steps, method, cfg_scale, guidance_channels=None,
+    def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale, guidance_channels=None,
                  interval=None, vae=None, latent_scale=None, return_trajectory=False):
-        graphdef = nnx.graphdef(model)
         self.trajectory = return_trajectory
         batch = NamedSharding(mesh, P("data"))
 
@@ -1987,8 +2015,12 @@ class Sampler:
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
         # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too, so
-        # that only bytes travel to the host.
-        self.vae = nnx.split(vae) if vae is not None else None
+        # that only bytes travel to the host. Its weights are copied to every device once, here.
+        if vae is not None:
+            vae_graphdef, vae_params = nnx.split(vae)
+            self.vae = (vae_graphdef, jax.device_put(vae_params, NamedSharding(mesh, P())))
+        else:
+            self.vae = None
 
         def finish(vae_params, x):
             if vae_params is not None:
@@ -2019,7 +2051,8 @@ def fixed_noise(key, n, shape, num_classes):
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
-    """n uint8 samples with labels spread evenly over the classes (as for FID-50K in ADM and DiT), in
+    """n uint8 samples with labels spread evenly over the classes (the official sample_ddp.py draws them at
+    random; even spreading removes that source of variance from FID), in
     global batches of batch_size over all devices and hosts. Returns (images (n, H, W, C), labels (n,))."""
     labels = np.arange(n) % max(num_classes, 1)
     chunks = []
@@ -2115,16 +2148,17 @@ def sample_command(args):
     method = args.sampler or ("euler" if obj["name"] == "rf" else "ddpm")
     steps = args.steps or (50 if obj["name"] == "rf" else 250)
     cfg = model.cfg
-    latent_scale = meta.get("latent_scale", 0.18215 if cfg.in_channels == 4 else None)
+    if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
+        raise SystemExit(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this model")
+    latent_scale = meta.get("latent_scale")
     vae = load_vae(args.vae) if latent_scale else None
     h, w = cfg.grid
     shape = (h * cfg.patch_size, w * cfg.patch_size, cfg.in_channels)  # (H, W, C) of the model's input
-    sampler = Sampler(model, objective, mesh, steps=steps, method=method,
-                      cfg_scale=args.cfg_scale if cfg.num_classes else 1.0,
+    sampler = Sampler(nnx.graphdef(model), objective, mesh, steps=steps, method=method, cfg_scale=args.cfg_scale,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
                       interval=args.guidance_interval, vae=vae, latent_scale=latent_scale,
                       return_trajectory=bool(args.gif))
-    params = nnx.state(model, nnx.Param)
+    params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))  # on every device, once
     if args.fid:
         images, labels = generate(sampler, params, args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
         if jax.process_index() == 0:
@@ -2140,6 +2174,8 @@ def sample_command(args):
     noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
     out = sampler(params, noise, jnp.asarray(labels, jnp.int32), jax.random.key(args.seed + 1))
     images, trajectory = out if args.gif else (out, None)
+    if jax.process_index() != 0:
+        return
     out_path = args.out or "samples.png"
     save_grid(images[:args.n], out_path)
     print(f"{args.n} samples -> {out_path}")
@@ -2248,6 +2284,8 @@ def main(argv=None):
         return print("EMA weights:", export_ema(args.ckpt, args.out))
     if args.command == "bench":
         return bench(args)
+    if args.keep < 1:
+        raise SystemExit("--keep must be at least 1: the newest checkpoint is what a run resumes from")
     for key, value in RECIPES[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
