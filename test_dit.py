@@ -2008,3 +2008,20 @@ def test_fid_command_line(tmp_path, monkeypatch, capsys):
     mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
     pool = ref["set32_pool3"][:n].astype(np.float64)
     assert _rel(mu, pool.mean(axis=0)) < 1e-4 and _rel(sigma, np.cov(pool, rowvar=False)) < 1e-4
+
+
+def test_sampling_errors_are_clear(tmp_path):
+    cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=1, hidden_size=16, depth=1, num_heads=2,
+                        num_classes=3, class_dropout_prob=0.0, learn_sigma=False)
+    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
+    noise, y = jnp.zeros((2, 8, 8, 1)), jnp.array([0, 1])
+    with pytest.raises(ValueError, match="null label"):  # no null row to guide with
+        dit.sample(model, dit.RectifiedFlow(), noise, y, None, steps=2, method="euler", cfg_scale=4.0)
+    assert dit.sample(model, dit.RectifiedFlow(), noise, y, None, steps=2, method="euler").shape == (2, 8, 8, 1)
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        dit.GaussianDiffusion("1")
+    foreign = tmp_path / "foreign.safetensors"  # a safetensors file that `dit.py export` did not write
+    with open(foreign, "wb") as f:
+        dit.write_safetensors(f, {"w": np.zeros(2, np.float32)}, {"format": "pt"})
+    with pytest.raises(ValueError, match="dit.py export"):
+        dit.load_model(str(foreign))
