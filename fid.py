@@ -20,6 +20,8 @@ import collections
 import concurrent.futures
 import functools
 import hashlib
+import http.client
+import math
 import os
 import pickle
 import struct
@@ -91,16 +93,29 @@ _TORCH_STORAGE_DTYPES = {
 }
 
 
-class _StorageType:
+class _Record:
+    """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets attributes
+    on any object it holds (through __setstate__, or the instance dict), which could rewrite the shared
+    storage types and corrupt every later load: refuse it."""
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise UnsafePickleError(f"the file tried to modify a {type(self).__name__.strip('_')}; a torch.save file "
+                                f"never does this, so it may be malicious. Nothing from the file was run.")
+
+
+class _StorageType(_Record):
     """Stand-in for a `torch.*Storage` class: only carries the element type."""
+    __slots__ = ("name", "dtype")
 
     def __init__(self, name):
         self.name = name
         self.dtype = np.dtype(_TORCH_STORAGE_DTYPES[name])
 
 
-class _Storage:
+class _Storage(_Record):
     """A tensor storage named in the pickle; its bytes are attached once they have been read."""
+    __slots__ = ("storage_type", "numel", "data")
 
     def __init__(self, storage_type, numel):
         self.storage_type = storage_type
@@ -108,8 +123,9 @@ class _Storage:
         self.data = None  # 1-D numpy array of numel elements
 
 
-class _Tensor:
+class _Tensor(_Record):
     """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by _materialize."""
+    __slots__ = ("storage", "offset", "size", "stride")
 
     def __init__(self, storage, offset, size, stride):
         self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
@@ -175,6 +191,10 @@ def _materialize(path, obj):
             raise ValueError(f"{path}: tensor with negative size, stride or offset")
         if 0 in obj.size:
             return np.zeros(obj.size, data.dtype)
+        # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state dict needs it.
+        if math.prod(obj.size) > data.size:
+            raise ValueError(f"{path}: tensor of size {obj.size} has more elements than its storage "
+                             f"({data.size}); repeated (expanded) tensors are not supported")
         # The last element a strided view touches must lie inside the storage, or as_strided would read
         # arbitrary memory.
         last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
@@ -208,9 +228,17 @@ def _load_torch_zip(path, archive):
         if key not in storages:  # tensors that share a storage share the array
             storages[key] = storage = _Storage(storage_type, numel)
             try:
-                raw = archive.read(f"{top}data/{key}")
+                info = archive.getinfo(f"{top}data/{key}")
             except KeyError:
                 raise ValueError(f"{path}: storage {key!r} is missing from the archive") from None
+            # torch stores storages uncompressed; checking the size before reading means a crafted
+            # archive cannot make us decompress gigabytes.
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{path}: storage {key!r} is compressed, which torch.save never does")
+            if info.file_size != numel * storage_type.dtype.itemsize:
+                raise ValueError(f"{path}: truncated or damaged file (storage {key!r} has {info.file_size} bytes "
+                                 f"where {numel * storage_type.dtype.itemsize} were expected)")
+            raw = archive.read(info)
             storage.data = _storage_array(path, storage, raw, little_endian)
         return storages[key]
 
@@ -534,20 +562,24 @@ def download(url, path, digest=None, algorithm="sha256"):
     and, when a published digest is given, verified: an interrupted or damaged download never passes for
     the real file. Used for the Inception weights here and for the VAE and datasets in dit.py."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp, hasher = path + ".part", hashlib.new(algorithm)
+    tmp, hasher = f"{path}.part{os.getpid()}", hashlib.new(algorithm)  # hosts sharing a cache don't collide
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
+            received = 0
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     hasher.update(chunk)
                     bar.update(len(chunk))
-    except OSError as e:  # urllib's URLError and socket timeouts are OSErrors too
+                    received += len(chunk)
+            if total is not None and received != total:  # a connection that closed early
+                raise http.client.IncompleteRead(b"", total - received)
+    except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors too
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise FileNotFoundError(f"could not download {url} ({e}). Without network access, download it elsewhere "
-                                f"and put it at {path}") from None
+        raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, download it "
+                                f"elsewhere and put it at {path}") from None
     if digest is not None and hasher.hexdigest() != digest:
         os.remove(tmp)
         raise ValueError(f"the download of {url} is corrupted: its {algorithm} is {hasher.hexdigest()}, the "
@@ -671,6 +703,8 @@ class FeatureStats:
     def update(self, features):
         """Add a batch of features (B, D)."""
         features = np.asarray(features, np.float64)
+        if not len(features):  # a process whose share ran out before the others'
+            return
         mean = features.mean(axis=0)
         centred = features - mean
         self.merge(len(features), mean, centred.T @ centred)
@@ -716,7 +750,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
 def inception_score(logits, splits=10):
     """(mean, std) over `splits` equal parts of exp(E_x KL(p(y|x) || p(y))) (Salimans et al. 2016).
 
-    p(y|x) is the softmax of the 1008 logits, as in the original TF code; p(y) is the mean over each part.
+    p(y|x) is the softmax of the 1008 logits; p(y) is the mean over each part. Pass the logits without the
+    bias of the last layer (pool @ W), as the original TF code and OpenAI's evaluator compute them:
+    InceptionFeatures.result()["score_logits"].
     """
     logits = np.asarray(logits, np.float64)
     if len(logits) < splits:
@@ -783,6 +819,7 @@ class InceptionFeatures:
         self.forward = functools.partial(_inception_forward, graphdef)  # (state, images) -> (pool, logits)
         self.stats = FeatureStats(2048)
         self.logits = []  # this process's (n, 1008) blocks
+        self.fc_bias = np.asarray(inception.fc.bias[...])
         self.image_shape = None
         self.progress = progress and jax.process_index() == 0
 
@@ -828,7 +865,8 @@ class InceptionFeatures:
         self._to_host(*pending)
 
     def result(self):
-        """{"mu", "sigma", "count", "logits"} over the images of all processes."""
+        """{"mu", "sigma", "count", "logits", "score_logits"} over the images of all processes: "logits" are
+        pytorch-fid's (the last layer's output), "score_logits" the same without its bias, for the Inception Score."""
         stats = FeatureStats(2048)
         gathered = _allgather(np.concatenate([[self.stats.count], self.stats.mean, self.stats.scatter.ravel()]))
         for row in gathered:  # (1 + D + D*D,) per process
@@ -840,7 +878,7 @@ class InceptionFeatures:
             padded[:len(logits)] = logits
             logits = np.concatenate([rows[:n] for rows, n in zip(_allgather(padded), counts)])
         mu, sigma = stats.mu_sigma()
-        return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits}
+        return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits, "score_logits": logits - self.fc_bias}
 
 
 IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
@@ -897,7 +935,7 @@ def load_images(source):
 
 
 def image_statistics(images, inception, batch_size=128, progress=True):
-    """{"mu", "sigma", "count", "logits"} of a sequence of uint8 images (an array or an ImageFolder).
+    """{"mu", "sigma", "count", "logits", "score_logits"} of a sequence of uint8 images (an array or an ImageFolder).
 
     Under `jax.distributed` each process reads every process_count-th image, so together they cover it once.
     """
@@ -932,7 +970,7 @@ def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=Tr
         ref_stats = load_statistics(ref_stats)
     fid = frechet_distance(out["mu"], out["sigma"], *ref_stats) if ref_stats is not None else None
     # IS over 10 splits needs at least 10 images; a tiny evaluation reports FID only.
-    score, score_std = inception_score(out["logits"]) if out["count"] >= 10 else (None, None)
+    score, score_std = inception_score(out["score_logits"]) if out["count"] >= 10 else (None, None)
     return {"fid": fid, "inception_score": score, "inception_score_std": score_std,
             "mu": out["mu"], "sigma": out["sigma"], "count": out["count"]}
 
@@ -1004,7 +1042,7 @@ def main(argv=None):
         inception = inception or load_inception(args.weights)
         out = image_statistics(images, inception, args.batch_size)
         say(f"{source}: {out['count']} images")
-        return out["mu"], out["sigma"], out["logits"]
+        return out["mu"], out["sigma"], out["score_logits"]
 
     if args.command == "stats":
         if _is_statistics_file(args.source):
@@ -1025,5 +1063,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError, RuntimeError) as e:  # bad input or weights: the message says what to do
+    except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:  # bad input or weights: the message says what to do
         raise SystemExit(f"error: {e}")

@@ -24,6 +24,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -36,7 +37,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import fid
-from dit import center_crop_arr, load_vae
+from dit import center_crop_arr, load_vae, write_atomically
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100
@@ -96,7 +97,7 @@ def load_image(path, size):
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not halfway through the crop
             return center_crop_arr(img, size), None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is recorded as the reason
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -162,9 +163,15 @@ def encode_with_flip(vae, images):
 
 def write_json(path, obj):
     """Write atomically: a crash leaves either the old or the new file, never half of one."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_atomically(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); if a tool wrote it, delete it and run again") from None
 
 
 def parse_args(argv):
@@ -191,20 +198,29 @@ def main(argv=None):
         raise SystemExit("--resolution/--pixels, --batch-size and --chunk-size must be positive")
     os.makedirs(out, exist_ok=True)
     manifest_path = os.path.join(out, "manifest.json")
-    manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else None
-    if manifest and manifest.get("complete"):
-        print(f"{out} is already complete ({manifest['counts']['images']} images); delete it to prepare again")
-        return manifest
+    manifest = read_json(manifest_path) if os.path.exists(manifest_path) else None
 
     # val keeps train's labels when train was prepared first into the same OUT
     train_classes, labels_json = os.path.join(args.out, "classes.json"), os.path.join(src, "Labels.json")
     pinned = None
     if args.split == "val" and os.path.exists(train_classes):
-        pinned = [c["wnid"] for c in json.load(open(train_classes))]
+        pinned = [c["wnid"] for c in read_json(train_classes)]
     classes, files, labels, warnings = find_images(src, args.split, pinned)
-    names = json.load(open(labels_json)) if os.path.exists(labels_json) else {}
+    names = read_json(labels_json) if os.path.exists(labels_json) else {}
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
+    settings = {"split": args.split, "source": src, "resolution": size, "pixels": bool(args.pixels),
+                "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size, "fid": not args.no_fid,
+                "inception": None if args.no_fid else args.inception,
+                "files": len(files), "files_sha1": hashlib.sha1("\n".join(files).encode()).hexdigest()}
+    if manifest and manifest["settings"] != settings:
+        diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items() if manifest["settings"].get(k) != v}
+        which = "a finished" if manifest.get("complete") else "an unfinished"
+        raise SystemExit(f"{out} holds {which} run with other settings {diff} (old, new); rerun with the old "
+                         f"arguments, or use another output folder (or delete {out}) to start over")
+    if manifest and manifest.get("complete"):
+        print(f"{out} is already complete ({manifest['counts']['images']} images); delete it to prepare again")
+        return manifest
 
     vae, latent_shape = None, None
     if args.pixels:
@@ -216,13 +232,6 @@ def main(argv=None):
             raise SystemExit(f"--resolution {size} is not a multiple of the VAE's downsampling factor {f}")
         latent_shape = [size // f, size // f, vae.cfg.latent_channels]
         name, dtype, row_shape = "latents", np.float16, (2, size // f, size // f, 2 * vae.cfg.latent_channels)
-    settings = {"split": args.split, "source": src, "resolution": size, "pixels": bool(args.pixels),
-                "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size, "fid": not args.no_fid,
-                "files": len(files), "files_sha1": hashlib.sha1("\n".join(files).encode()).hexdigest()}
-    if manifest and manifest["settings"] != settings:
-        diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items() if manifest["settings"].get(k) != v}
-        raise SystemExit(f"{out} holds an unfinished run with other settings {diff} (old, new); rerun with the old "
-                         f"arguments to resume, or delete {out} to start over")
 
     # One row per file, broken ones included (they are found while decoding); the final copy drops those.
     partials = {name: (dtype, row_shape)} | ({} if args.no_fid else {"inception": (np.float32, (2048,))})
@@ -342,5 +351,5 @@ def print_summary(args, out, manifest):
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, ValueError, RuntimeError) as e:  # bad input: the message says what to do
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # bad input: the message says what to do
         raise SystemExit(f"error: {e}")

@@ -644,7 +644,7 @@ def test_load_vae_bad_sources(tmp_path, monkeypatch):
     monkeypatch.setattr("urllib.request.urlopen", offline)
     with pytest.raises(RuntimeError, match="by hand into"):
         load_vae("ema", cache_dir=str(tmp_path / "cache"))
-    assert not any(p.name.endswith(".part") or p.is_file() for p in (tmp_path / "cache").rglob("*"))
+    assert not any(".part" in p.name or p.is_file() for p in (tmp_path / "cache").rglob("*"))
 
 
 def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
@@ -907,7 +907,7 @@ def test_mnist_offline_says_what_to_put_where(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte.gz") as info:
         load_dataset("mnist", str(tmp_path / "mnist"))
     assert str(tmp_path / "mnist") in str(info.value)
-    assert not any(p.name.endswith(".part") for p in (tmp_path / "mnist").iterdir())
+    assert not any(".part" in p.name for p in (tmp_path / "mnist").iterdir())
 
 
 class FakeResponse(io.BytesIO):
@@ -1870,7 +1870,8 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception):
         out = fid.evaluate(ref["set32"][:n], inception=inception, batch_size=3, progress=False)
     assert out["count"] == n and out["fid"] is None
     assert _rel(out["mu"], pool.mean(axis=0)) < 1e-4 and _rel(out["sigma"], np.cov(pool, rowvar=False)) < 1e-4
-    expected_is = fid.inception_score(logits)[0]  # from pytorch-fid's logits
+    # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's minus fc.bias.
+    expected_is = fid.inception_score(logits - fid.load_torch(fixture("inception_fid_random.pth"))["fc.bias"])[0]
     # The score sits close to 1 with random weights, so compare what lies above 1.
     assert expected_is > 1.0001 and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1)
 
@@ -2025,3 +2026,26 @@ def test_sampling_errors_are_clear(tmp_path):
         dit.write_safetensors(f, {"w": np.zeros(2, np.float32)}, {"format": "pt"})
     with pytest.raises(ValueError, match="dit.py export"):
         dit.load_model(str(foreign))
+
+
+def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
+    # BUILD on an allowed storage type would rewrite it for every later load in the process.
+    evil = b"\x80\x02ctorch\nFloatStorage\n}X\x04\x00\x00\x00nameX\x0f\x00\x00\x00BFloat16Storagesb."
+    with zipfile.ZipFile(tmp_path / "build.pt", "w") as z:
+        z.writestr("ckpt/data.pkl", evil)
+    with pytest.raises(UnsafePickleError, match="modify"):
+        fid.load_torch(str(tmp_path / "build.pt"))
+    pos_embed = fid.load_torch(fixture("dit_reference.pt"))["pos_embed"]
+    np.testing.assert_allclose(pos_embed[0], dit.sincos_pos_embed_2d(pos_embed.shape[-1], 8, 8), atol=1e-6)
+    # A stride of 0 makes a few stored bytes stand for a huge tensor.
+    _write_zip(str(tmp_path / "expand.pt"), {"w": _tensor("FloatStorage", "0", 1, 0, (10 ** 5, 10 ** 5), (0, 0))},
+               {"0": np.zeros(1, np.float32).tobytes()})
+    with pytest.raises(ValueError, match="more elements than its storage"):
+        fid.load_torch(str(tmp_path / "expand.pt"))
+    # torch never compresses storages; a compressed one could be a zip bomb.
+    with zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("ckpt/data.pkl", _pickle({"w": _tensor("FloatStorage", "0", 4, 0, (4,), (1,))}),
+                   compress_type=zipfile.ZIP_STORED)
+        z.writestr("ckpt/data/0", np.zeros(4, np.float32).tobytes())
+    with pytest.raises(ValueError, match="compressed"):
+        fid.load_torch(str(tmp_path / "bomb.pt"))
