@@ -347,10 +347,12 @@ def resize_matrix(in_size, out_size):
 def resize_bilinear(x, height, width):
     """(B, H, W, C) -> (B, height, width, C) as torch's bilinear interpolate without antialiasing.
 
-    Bilinear resizing is separable, so it is two small matrix products, exact and fast on any device.
+    Bilinear resizing is separable, so it is two small matrix products, with torch's interpolation weights
+    (to float32 rounding) and fast on any device.
     """
     rows, cols = resize_matrix(x.shape[1], height), resize_matrix(x.shape[2], width)
-    # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32.
+    # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32. (The network's
+    # convolutions run at the default precision, TF32 on recent GPUs, as pytorch-fid's do on CUDA.)
     x = jnp.einsum("oh,bhwc->bowc", rows, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, W, C)
     return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, width, C)
 
@@ -799,7 +801,7 @@ def _allgather(x):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _inception_forward(graphdef, state, images):
-    """Compiled once per image shape and shared by every InceptionFeatures (e.g. repeated evaluations)."""
+    """Compiled once per (batch, image shape) and shared by every InceptionFeatures (e.g. repeated evaluations)."""
     return nnx.merge(graphdef, state)(images)
 
 
