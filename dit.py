@@ -1615,7 +1615,7 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
         # DiT keeps an exponential moving average of the weights and samples from it.
         ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
         new_state = {"step": state["step"] + 1, "params": params, "ema": ema, "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return train_step
 
