@@ -340,13 +340,13 @@ def torch_name(path):
     """The PyTorch state-dict key of one of our parameters: ('blocks', 0, 'attn', 'qkv', 'kernel') ->
     'blocks.0.attn.qkv.weight'. nnx.Sequential stores its layers under 'layers', which PyTorch omits."""
     names = [str(p) for p in path if p != "layers"]
-    names[-1] = {"kernel": "weight", "embedding": "weight"}.get(names[-1], names[-1])
+    names[-1] = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(names[-1], names[-1])
     return ".".join(names)
 
 
 def to_torch_layout(leaf, value):
     """Our layout -> PyTorch's for the parameter called `leaf`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables and biases are the same in both."""
+    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in both."""
     if leaf != "kernel":
         return value
     return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
@@ -379,7 +379,7 @@ def load_state_dict(model, state_dict, what):
             raise ValueError(f"{what}: {name} has shape {state_dict[name].shape} but the model expects "
                              f"{to_torch_layout(path[-1], np.empty(var.shape)).shape}: the checkpoint is from "
                              f"another model size or configuration")
-        var[...] = jnp.asarray(value, var.dtype)
+        var.set_value(jnp.asarray(value, var.dtype))  # the model may be abstract (nnx.eval_shape)
     extra = set(state_dict) - set(ours) - {"pos_embed"}
     if extra:
         raise ValueError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it holds "
@@ -415,7 +415,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     if not isinstance(state_dict, dict) or "x_embedder.proj.weight" not in state_dict:
         raise ValueError(f"{path} is not a DiT state dict (no 'x_embedder.proj.weight')")
     cfg = cfg or infer_dit_config(state_dict)
-    model = DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs)
+    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))  # no random init to overwrite
     load_state_dict(model, state_dict, path)
     table = sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid)
     if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
@@ -995,20 +995,14 @@ def read_safetensors(path):
 
 
 def vae_torch_names(model):
-    """Map every parameter of our AutoencoderKL to its diffusers name: {torch name: (our path, torch shape)}.
-    Our module tree mirrors diffusers', so only leaf names and layouts differ: conv kernels are HWIO here and
-    OIHW in PyTorch, linear kernels (in, out) here and (out, in) there, GroupNorm's scale is torch's weight."""
+    """{diffusers name: (our path, PyTorch shape)} for every parameter of our AutoencoderKL. The module tree
+    mirrors diffusers', so the DiT loader's torch_name and to_torch_layout translate each parameter; only
+    diffusers' to_out, a ModuleList([Linear, Dropout]), adds a level."""
     names = {}
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Param):
-            continue
-        *mods, leaf = (str(p) for p in path)
-        shape = tuple(var.shape)
-        if leaf == "kernel":
-            shape = shape[::-1] if len(shape) == 2 else (shape[3], shape[2], shape[0], shape[1])
-        if mods[-1] == "to_out":
-            mods.append("0")  # diffusers' to_out is ModuleList([Linear, Dropout])
-        names[".".join(mods + ["bias" if leaf == "bias" else "weight"])] = (path, shape)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = torch_name(path).replace("to_out.", "to_out.0.")
+        shape = to_torch_layout(path[-1], np.broadcast_to(np.int8(0), var.shape)).shape  # no memory for the shape
+        names[name] = (path, shape)
     return names
 
 
@@ -1026,18 +1020,14 @@ def load_vae_weights(model, tensors, source="the weight file"):
         show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"
         raise ValueError(f"{source} does not fit the VAE of {model.cfg}: missing keys {show(missing)}, unexpected "
                          f"keys {show(unexpected)}. Is config.json the one that came with these weights?")
-    variables = dict(nnx.iter_graph(model))
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for name, (path, shape) in expected.items():
         w = np.asarray(tensors[name], dtype=np.float32)
         if w.ndim == 4 and len(shape) == 2 and w.shape[2:] == (1, 1):
             w = w[:, :, 0, 0]  # old checkpoints stored the attention projections as 1x1 convs
         if w.shape != shape:
             raise ValueError(f"{source}: {name} has shape {list(w.shape)}, the model expects {list(shape)}")
-        if w.ndim == 4:
-            w = w.transpose(2, 3, 1, 0)  # OIHW -> HWIO
-        elif w.ndim == 2:
-            w = w.T  # (out, in) -> (in, out)
-        variables[path].set_value(jnp.asarray(w))
+        params[path].set_value(jnp.asarray(from_torch_layout(path[-1], w)))  # the model may be abstract (eval_shape)
     return model
 
 
@@ -1937,16 +1927,16 @@ def load_model(path, dtype=jnp.float32):
     our training checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
     if path.endswith(".npz"):
         meta, arrays = read_checkpoint(path)
-        model = DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0))
+        model = nnx.eval_shape(lambda: DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0)))
         for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            var[...] = jnp.asarray(arrays["ema." + ".".join(str(k) for k in p)])
+            var.set_value(jnp.asarray(arrays["ema." + ".".join(str(k) for k in p)]))
         return model, meta["objective"], meta
     if path.endswith(".safetensors"):
         raw = safetensors_metadata(path)
         if "model" not in raw:
             raise ValueError(f"{path} has no model configuration in its metadata; was it written by `dit.py export`?")
         meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
-        model = DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0))
+        model = nnx.eval_shape(lambda: DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0)))
         load_state_dict(model, read_safetensors(path), path)
         return model, meta["objective"], meta
     # The released checkpoints were trained with DDPM on SD-VAE latents (sampled at 250 steps in the paper).
