@@ -106,22 +106,6 @@ normal02 = nnx.initializers.normal(0.02)
 zeros = nnx.initializers.zeros_init()
 
 
-def modulate(x, shift, scale):
-    """adaLN: scale and shift the normalised tokens x (B, T, D) per sample with (B, D) vectors."""
-    return x * (1 + scale[:, None]) + shift[:, None]
-
-
-def layer_norm(x, eps=1e-6):
-    """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
-
-    Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much precision.
-    """
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
 def timestep_embedding(t, dim, max_period=10000):
     """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official code
     (cosines first, then sines; frequencies from 1 down to 1/max_period)."""
@@ -181,6 +165,22 @@ class LabelEmbedder(nnx.Module):
 #################################################################################
 #                                 Core DiT Model                                #
 #################################################################################
+
+def modulate(x, shift, scale):
+    """adaLN: scale and shift the normalised tokens x (B, T, D) per sample with (B, D) vectors."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def layer_norm(x, eps=1e-6):
+    """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
+
+    Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much precision.
+    """
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
 
 class PatchEmbed(nnx.Module):
     """Patchify (Sec. 3.1): each non-overlapping p x p patch becomes one token, by a linear map that
