@@ -1855,7 +1855,8 @@ def train(args):
 
     def run_fid(step, n):
         if not (fid_ref and os.path.exists(fid_ref)):
-            print(f"no FID reference statistics ({fid_ref}); pass --fid-ref")
+            print(f"FID skipped: no reference statistics{f' at {fid_ref}' if fid_ref else ''}; pass --fid-ref "
+                  f"(`python fid.py stats IMAGES stats.npz` makes one)")
             return
         images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
         result = evaluate_samples(images, fid_ref, args.inception)
