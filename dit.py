@@ -1282,9 +1282,6 @@ def _load_cifar10(data_dir: str) -> Dataset:
 #                                 Image folder                                  #
 #################################################################################
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
-
-
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve with a
     BOX filter while the short side is at least twice the target (cheap and alias-free), BICUBIC-resize so
@@ -1306,17 +1303,19 @@ def center_crop_arr(pil_image, image_size):
 
 
 def _is_image(path: str) -> bool:
-    return os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS)
+    return os.path.isfile(path) and path.lower().endswith(fid.IMAGE_EXTENSIONS)
 
 
-def _decode(path: str, resolution: int | None):
-    """(pixels, None) or (None, reason) for one file, so that a broken image is reported rather than fatal."""
+def load_image(path, size=None):
+    """Decode any file PIL understands (the format is read from the content, so a PNG named .JPEG works), as
+    RGB, centre-cropped to size x size when a size is given. Returns (uint8 (H, W, 3), None), or (None, reason)
+    for a broken file, so that one bad image is reported rather than fatal (here and in prepare_imagenet100.py)."""
     try:
         with Image.open(path) as img:
-            rgb = img.convert("RGB")  # before resizing: a palette image would only resize by nearest neighbour
-    except (OSError, SyntaxError, ValueError) as e:  # unreadable, truncated, or not an image at all
-        return None, f"{path} ({e})"
-    return (center_crop_arr(rgb, resolution) if resolution else np.asarray(rgb)), None
+            img.load()  # decode now: a truncated file fails here, not halfway through the crop
+            return (center_crop_arr(img, size) if size else np.asarray(img.convert("RGB"))), None
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is recorded as the reason
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
@@ -1343,16 +1342,16 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     else:
         files, labels = loose, None
     if not files:
-        raise ValueError(f"{data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}), neither directly nor in "
+        raise ValueError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither directly nor in "
                          f"class sub-folders")
 
     x, kept, broken = None, [], []
     pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))  # PIL releases the GIL while decoding
     try:
-        decoded = pool.map(lambda path: _decode(path, resolution), files)
+        decoded = pool.map(lambda path: load_image(path, resolution), files)
         for i, (arr, problem) in enumerate(tqdm(decoded, total=len(files), desc=f"decoding {data_dir}")):
             if problem:
-                broken.append(problem)
+                broken.append(f"{files[i]} ({problem})")
                 continue
             if x is None:
                 if arr.shape[0] != arr.shape[1]:

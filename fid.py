@@ -883,7 +883,7 @@ class InceptionFeatures:
         return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits, "score_logits": logits - self.fc_bias}
 
 
-IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
+IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
 
 
 class ImageFolder:

@@ -33,11 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from PIL import Image
 from tqdm import tqdm
 
 import fid
-from dit import center_crop_arr, load_vae, write_atomically
+from dit import load_image, load_vae, write_atomically
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100
@@ -88,17 +87,6 @@ def find_images(src, split, classes=None):
                         f"has {expected} images in {EXPECTED_CLASSES} classes (expected if this is a custom tree, "
                         f"otherwise the download is incomplete)")
     return classes, files, np.asarray(labels, np.int64), warnings
-
-
-def load_image(path, size):
-    """Decode any file PIL understands (the format is read from the content, so a PNG named .JPEG works),
-    convert to RGB and centre-crop. Returns (uint8 (size, size, 3), None) or (None, reason) for a broken file."""
-    try:
-        with Image.open(path) as img:
-            img.load()  # decode now: a truncated file fails here, not halfway through the crop
-            return center_crop_arr(img, size), None
-    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is recorded as the reason
-        return None, f"{type(e).__name__}: {e}"
 
 
 def decoded_chunks(pool, src, files, chunks, size):
