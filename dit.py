@@ -1836,7 +1836,9 @@ def train(args):
                       in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
     vae = load_vae(args.vae) if ds.is_latent else None
     grid_n = math.ceil(16 / jax.device_count()) * jax.device_count()
-    grid_noise, grid_labels = fixed_noise(jax.random.key(args.seed + 1), grid_n, (H, W, C), ds.num_classes)
+    # The grids use the same noise and labels at every step of a run, so that they compare.
+    grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (grid_n, H, W, C))
+    grid_labels = jnp.asarray(spread_labels(grid_n, ds.num_classes))
     sample_method = "euler" if args.objective == "rf" else "ddpm"
     grid_sampler = Sampler(graphdef, objective, mesh, steps=args.sample_steps, method=sample_method,
                            cfg_scale=args.cfg_scale, vae=vae, latent_scale=ds.latent_scale)
@@ -2034,22 +2036,21 @@ class Sampler:
         return self.images(out)
 
 
-def fixed_noise(key, n, shape, num_classes):
-    """Noise and labels of the periodic sample grids: the same at every step of a run, so grids compare."""
-    labels = np.arange(n) % max(num_classes, 1)
-    return jax.random.normal(key, (n, *shape)), jnp.asarray(labels, jnp.int32)
+def spread_labels(n, num_classes):
+    """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional model). (n,)"""
+    return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
     """n uint8 samples with labels spread evenly over the classes (the official sample_ddp.py draws them at
     random; even spreading removes that source of variance from FID), in
     global batches of batch_size over all devices and hosts. Returns (images (n, H, W, C), labels (n,))."""
-    labels = np.arange(n) % max(num_classes, 1)
+    labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling", disable=jax.process_index() != 0):
         y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
         noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
-        chunks.append(sampler(params, noise, jnp.asarray(y, jnp.int32), jax.random.fold_in(jax.random.key(seed + 1), i)))
+        chunks.append(sampler(params, noise, jnp.asarray(y), jax.random.fold_in(jax.random.key(seed + 1), i)))
     return np.concatenate(chunks)[:n], labels
 
 
@@ -2160,9 +2161,9 @@ def sample_command(args):
             print(describe_scores(result, args.fid))
         return
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()
-    labels = np.resize(args.labels, n) if args.labels else np.arange(n) % max(cfg.num_classes, 1)
+    labels = np.resize(np.asarray(args.labels, np.int32), n) if args.labels else spread_labels(n, cfg.num_classes)
     noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
-    out = sampler(params, noise, jnp.asarray(labels, jnp.int32), jax.random.key(args.seed + 1))
+    out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
     images, trajectory = out if args.gif else (out, None)
     if jax.process_index() != 0:
         return
