@@ -1691,8 +1691,9 @@ def read_checkpoint(path):
     try:
         with np.load(path, allow_pickle=False) as f:
             return json.loads(str(f["__meta__"])), {k: f[k] for k in f.files if k != "__meta__"}
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{path} is not a readable DiT checkpoint ({e})") from None
+    except Exception as e:  # a damaged zip fails in many ways (BadZipFile, EOFError, ValueError, ...)
+        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if a run wrote "
+                         f"it, delete it to resume from the one before") from None
 
 
 def restore_state(arrays, abstract_state, shardings, what):
@@ -1707,7 +1708,10 @@ def restore_state(arrays, abstract_state, shardings, what):
         if arrays[name].shape != like.shape:
             raise ValueError(f"{what}: {name} has shape {arrays[name].shape}, the model needs {like.shape}: "
                              f"the checkpoint is from another model size")
-        leaves.append(jax.device_put(arrays[name].astype(like.dtype), sharding))
+        array = arrays[name].astype(like.dtype)
+        # Each process places only its own devices' slices (device_put of a host array would compare it
+        # across all hosts first, sending the whole state over the network once per host).
+        leaves.append(jax.make_array_from_callback(like.shape, sharding, lambda index, a=array: a[index]))
     return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
 
@@ -1767,12 +1771,22 @@ RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "l
 
 
 def setup_distributed(args):
-    """Join the other processes of a multi-host run: automatic on Cloud TPU pod slices (whose hosts
-    find each other through TPU_WORKER_HOSTNAMES), by --coordinator/--num-processes/--process-id elsewhere."""
+    """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id, or
+    from the environment where a launcher started several processes (a SLURM or Open MPI job of more
+    than one task, a TPU pod slice that names its hosts in TPU_WORKER_HOSTNAMES), which JAX reads."""
+    launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
+                or os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost")
     if args.coordinator or args.num_processes:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    elif os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost":
+    elif launched:
         jax.distributed.initialize()
+
+
+def check_batch_size(batch_size):
+    """The global batch is split evenly over all devices of all hosts."""
+    if batch_size < 1 or batch_size % jax.device_count():
+        raise SystemExit(f"--batch-size {batch_size} does not split over {jax.device_count()} devices; use a positive "
+                         f"multiple of {jax.device_count()}")
 
 
 def compute_dtype(precision):
@@ -1785,7 +1799,7 @@ def check_run_dir(run_dir, settings):
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        diff = {k: (old.get(k), settings[k]) for k in RUN_DEFINING if old.get(k) != settings[k]}
+        diff = {k: (old.get(k), settings[k]) for k in settings if old.get(k) != settings[k]}
         if diff:
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise SystemExit(f"{run_dir} holds another run ({changes}). Use another --run-dir, or the same settings "
@@ -1795,18 +1809,36 @@ def check_run_dir(run_dir, settings):
         write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
 
 
+def drop_metrics_after(path, step):
+    """Keep the records of steps up to `step` only: a run resumed there logs the later steps again."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except ValueError:  # a line that a crash cut short
+                pass
+    write_atomically(path, lambda f: f.write("".join(kept).encode()))
+
+
 def train(args):
-    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one."""
+    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one
+    (or from the checkpoint file that --resume names)."""
     mesh = make_mesh()
-    if args.batch_size % jax.device_count():
-        raise SystemExit(f"--batch-size {args.batch_size} does not split over {jax.device_count()} devices; "
-                         f"use a multiple of {jax.device_count()}")
+    check_batch_size(args.batch_size)
+    checkpoint = (list_checkpoints(args.run_dir) or [None])[-1] if args.resume in (None, "latest") else args.resume
+    if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
+        raise SystemExit(f"--resume: no checkpoint {'in ' + args.run_dir if args.resume == 'latest' else args.resume}")
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=(H, W) if H != W else H, in_channels=C,
                      num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
     objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
-    settings = {k: getattr(args, k) for k in RUN_DEFINING}
+    # The data order follows from the dataset's size, so a dataset that changed could not resume exactly.
+    settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds), "num_classes": ds.num_classes}
     check_run_dir(args.run_dir, settings)
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "latent_scale": ds.latent_scale,
@@ -1814,19 +1846,21 @@ def train(args):
                           "loc": args.ln_loc, "scale": args.ln_scale}}
     dtype = compute_dtype(args.precision)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
-    checkpoint = (list_checkpoints(args.run_dir) or [None])[-1]
+    # Only process 0 writes checkpoints, so the run directory must be one that every host sees. Checked
+    # before restoring, which is itself collective: hosts restoring different files would never meet.
+    multihost_utils.assert_equal(np.int32(zlib.crc32(os.path.basename(checkpoint or "").encode()) >> 1),
+                                 f"the hosts found different checkpoints in {args.run_dir}: it must be on a "
+                                 f"filesystem that all hosts share")
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat, checkpoint)
     start = int(to_host(state["step"]))
-    # Only process 0 writes checkpoints: the run directory must be one that every host sees.
-    multihost_utils.assert_equal(start, f"the hosts found different checkpoints in {args.run_dir}: it must be "
-                                        f"on a filesystem that all hosts share")
     if checkpoint:
         print(f"resumed {checkpoint}")
-        if jax.process_index() == 0:  # half-written files of a save that a crash interrupted
-            ckpt_dir = os.path.dirname(checkpoint)
-            for name in os.listdir(ckpt_dir):
-                if ".npz.tmp" in name:
-                    os.remove(os.path.join(ckpt_dir, name))
+    if jax.process_index() == 0:
+        ckpt_dir = os.path.join(args.run_dir, "checkpoints")
+        for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
+            if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
+                os.remove(os.path.join(ckpt_dir, name))
+        drop_metrics_after(os.path.join(args.run_dir, "metrics.jsonl"), start)
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} parameters, "
           f"{jax.device_count()} devices, {jax.process_count()} processes, {args.precision}")
@@ -2091,6 +2125,7 @@ def dit_flops(cfg):
 def bench(args):
     """Training throughput on synthetic data: images/s, ms per step, peak memory and MFU."""
     mesh = make_mesh()
+    check_batch_size(args.batch_size)
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size, in_channels=args.channels,
                      num_classes=1000, learn_sigma=args.objective == "ddpm")
     objective = make_objective(args.objective)
@@ -2133,6 +2168,10 @@ def bench(args):
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their scores."""
     mesh = make_mesh()
+    if args.fid:
+        check_batch_size(args.batch_size)
+        if args.gif:
+            raise SystemExit("--gif animates a grid; it does not go with --fid")
     model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
     objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"), obj.get("loc", 0.0),
                                obj.get("scale", 1.0))
@@ -2204,6 +2243,8 @@ def build_parser():
     t.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over the devices")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--run-dir", help="checkpoints, metrics and samples; an existing run there is resumed")
+    t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint file; without a "
+                   "file, from the newest in --run-dir, which must have one")
     t.add_argument("--log-every", type=int)
     t.add_argument("--ckpt-every", type=int)
     t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
@@ -2255,7 +2296,8 @@ def build_parser():
     b.add_argument("--fsdp", action="store_true")
     b.add_argument("--steps", type=int, default=10, help="timed steps after the compiling one")
     for p in (t, s):
-        p.add_argument("--coordinator", help="address:port of process 0, for multi-host runs outside TPU pods")
+        p.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that no launcher "
+                       "(SLURM, Open MPI, TPU pod) set up")
         p.add_argument("--num-processes", type=int)
         p.add_argument("--process-id", type=int)
     return parser
@@ -2280,11 +2322,14 @@ def main(argv=None):
     for key, value in RECIPES[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for key in ("steps", "log_every", "ckpt_every", "sample_every"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key.replace('_', '-')} must be at least 1 (a number of steps)")
     args.precision = args.precision or ("fp32" if jax.default_backend() == "cpu" else "bf16")
     args.sample_steps = args.sample_steps or (50 if args.objective == "rf" else 250)
     args.run_dir = args.run_dir or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}")
     return train(args)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "ipykernel" not in sys.modules:  # pasted into a notebook: call main([...])
     main()

@@ -24,6 +24,7 @@ import http.client
 import math
 import os
 import pickle
+import socket
 import struct
 import tempfile
 import time
@@ -564,7 +565,8 @@ def download(url, path, digest=None, algorithm="sha256"):
     and, when a published digest is given, verified: an interrupted or damaged download never passes for
     the real file. Used for the Inception weights here and for the VAE and datasets in dit.py."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp, hasher = f"{path}.part{os.getpid()}", hashlib.new(algorithm)  # hosts sharing a cache don't collide
+    # Named per host and process: hosts that share a cache folder can have equal process ids.
+    tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import runpy
 import shutil
 import socket
 import struct
@@ -210,6 +211,24 @@ def test_remat_and_bf16_match_fp32(reference):
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert float(l2) == pytest.approx(float(l0), rel=2e-2)  # bfloat16 keeps 8 bits of mantissa
+
+
+def test_remat_keeps_only_block_inputs_for_the_backward_pass():
+    """The memory remat saves: the residuals jax.vjp holds for the backward pass (the leaves of the
+    function it returns). Without remat every block keeps its attention probabilities, MLP activations
+    and normalised tokens; with it, a block keeps little more than its input (B, T, D)."""
+    cfg = dit.dit_config("T/4", input_size=16, in_channels=4, num_classes=10)
+    B, T, D = 24, cfg.grid[0] * cfg.grid[1], cfg.hidden_size
+    x, t, y = jnp.zeros((B, 16, 16, 4)), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
+
+    def residual_bytes(remat):
+        graphdef, params = nnx.split(dit.DiT(cfg, remat=remat, rngs=nnx.Rngs(0)))
+        _, backward = jax.vjp(lambda p: nnx.merge(graphdef, p)(x, t, y), params)
+        return sum(r.nbytes for r in jax.tree.leaves(backward) if r.shape[:1] == (B,))  # activations, not weights
+
+    block_input = B * T * D * 4  # float32
+    assert residual_bytes(False) > 10 * cfg.depth * block_input
+    assert residual_bytes(True) < 3 * cfg.depth * block_input  # the input, plus the final layer's share
 
 
 def test_everything_jit_compiles(reference):
@@ -1415,15 +1434,20 @@ def free_port():
 
 
 def test_two_hosts_equal_one(tmp_path, folder_data):
-    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 4 devices."""
+    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 4 devices. Process 0
+    joins by the command-line flags, process 1 as the second task of a SLURM job would, from the
+    environment (JAX reads the task count and index from SLURM's variables)."""
     run_dit(tmp_path, train_args(folder_data, tmp_path / "single", 4), devices=4)
     port = free_port()
     script = tmp_path / "driver.py"
-    procs = [subprocess.Popen([sys.executable, str(script), *train_args(folder_data, tmp_path / "multi", 4),
-                               "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                                   "JAX_PLATFORMS": "cpu"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
+    args = train_args(folder_data, tmp_path / "multi", 4)
+    procs = [subprocess.Popen([sys.executable, str(script), *args, *extra], env={**env, **more},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for extra, more in [(["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"],
+                                  {}), ([], slurm)]]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     assert "4 devices, 2 processes" in outs[0]
@@ -1465,15 +1489,28 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data):
                      check=False)
     assert killed.returncode == 9
     assert [os.path.basename(p) for p in dit.list_checkpoints(tmp_path / "resumed")] == ["step_0000003.npz"]
-    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6))
+    # A run killed later than its checkpoint has logged steps that the resumed run does again, and may
+    # have left a line half-written.
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 0.5}\n{"step": 5, "lo')
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6, ["--resume"]))
     assert "resumed" in out.stdout
     _, a = final_state(tmp_path / "straight")
     _, b = final_state(tmp_path / "resumed")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    # the log holds each step once: the resumed run appends where the killed one stopped
+    # the log holds each step once
     steps = [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
+    # --resume FILE goes back to an older checkpoint, and from there the run is the same again
+    straight = tmp_path / "straight"
+    out = run_dit(tmp_path, train_args(folder_data, straight, 6, ["--resume", str(straight / "checkpoints" /
+                                                                                   "step_0000003.npz")]))
+    assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
+    _, c = final_state(straight)
+    for k in a:
+        np.testing.assert_array_equal(a[k], c[k], err_msg=k)
+    assert [json.loads(line)["step"] for line in open(straight / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data):
@@ -1529,6 +1566,15 @@ def test_loss_falls_on_cifar10_photos(tmp_path):
     assert meta["model"]["num_classes"] == 10 and meta["model"]["in_channels"] == 3
 
 
+def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
+    """A notebook runs a pasted file as __main__, with the kernel's own arguments in sys.argv: the
+    command line must not start (and fail on those arguments); the user calls main([...])."""
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", "/root/.local/kernel-1.json"])
+    namespace = runpy.run_path(os.path.join(HERE, "dit.py"), run_name="__main__")
+    assert callable(namespace["main"])  # and the run above did not exit
+
+
 def test_bad_inputs_get_clear_errors(tmp_path, folder_data):
     # a batch that does not split over the devices
     out = run_dit(tmp_path, train_args(folder_data, tmp_path / "a", 2, ["--batch-size", "6"]), devices=4, check=False)
@@ -1548,6 +1594,26 @@ def test_bad_inputs_get_clear_errors(tmp_path, folder_data):
     out = run_dit(tmp_path, ["--dataset", "imagenet100", "--data-dir", str(tmp_path / "nowhere"),
                              "--run-dir", str(tmp_path / "c")], check=False)
     assert out.returncode != 0 and "prepare_imagenet100.py" in out.stderr
+    # a dataset that changed since the run began (its order, and so the resume, would differ)
+    grown = tmp_path / "grown"
+    shutil.copytree(folder_data, grown)
+    run_dit(tmp_path, train_args(str(grown), tmp_path / "d", 1))
+    shutil.copy(grown / "squares" / "0.png", grown / "squares" / "extra.png")
+    out = run_dit(tmp_path, train_args(str(grown), tmp_path / "d", 2), check=False)
+    assert out.returncode != 0 and "dataset_size: 96 -> 97" in out.stderr
+    # a damaged checkpoint names itself and the way out
+    (tmp_path / "d" / "checkpoints" / "step_0000001.npz").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="step_0000001.npz is not a readable DiT checkpoint.*delete it"):
+        dit.read_checkpoint(str(tmp_path / "d" / "checkpoints" / "step_0000001.npz"))
+    # --resume with nothing to resume, intervals of 0 steps, batches that do not split, --gif with --fid
+    with pytest.raises(SystemExit, match="--resume: no checkpoint in"):
+        dit.main(train_args(folder_data, tmp_path / "e", 2, ["--resume"]))
+    with pytest.raises(SystemExit, match="--log-every must be at least 1"):
+        dit.main(train_args(folder_data, tmp_path / "e", 2, ["--log-every", "0"]))
+    with pytest.raises(SystemExit, match="--batch-size 0 does not split"):
+        dit.main(["bench", "--batch-size", "0"])
+    with pytest.raises(SystemExit, match="--gif animates a grid"):
+        dit.main(["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"])
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, folder_data):
