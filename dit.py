@@ -1832,6 +1832,10 @@ def train(args):
     checkpoint = (list_checkpoints(args.run_dir) or [None])[-1] if args.resume in (None, "latest") else args.resume
     if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
         raise SystemExit(f"--resume: no checkpoint {'in ' + args.run_dir if args.resume == 'latest' else args.resume}")
+    newer = [p for p in list_checkpoints(args.run_dir) if os.path.basename(p) > os.path.basename(checkpoint or "")]
+    if newer:  # a later automatic resume would jump back to them, mixing two histories in one run
+        raise SystemExit(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints ({os.path.basename(newer[-1])}"
+                         f"); continue in another --run-dir, or move those away")
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=(H, W) if H != W else H, in_channels=C,

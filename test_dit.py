@@ -1502,15 +1502,17 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data):
     # the log holds each step once
     steps = [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
-    # --resume FILE goes back to an older checkpoint, and from there the run is the same again
-    straight = tmp_path / "straight"
-    out = run_dit(tmp_path, train_args(folder_data, straight, 6, ["--resume", str(straight / "checkpoints" /
-                                                                                   "step_0000003.npz")]))
+    # --resume FILE continues another run's checkpoint in a new run directory, exactly again; within its
+    # own run, going back behind newer checkpoints is refused (a later resume would jump to them)
+    step3 = str(tmp_path / "straight" / "checkpoints" / "step_0000003.npz")
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "straight", 6, ["--resume", step3]), check=False)
+    assert out.returncode != 0 and "holds newer checkpoints (step_0000006.npz)" in out.stderr
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "branch", 6, ["--resume", step3]))
     assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
-    _, c = final_state(straight)
+    _, c = final_state(tmp_path / "branch")
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
-    assert [json.loads(line)["step"] for line in open(straight / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "branch" / "metrics.jsonl")] == [4, 5, 6]
 
 
 def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data):
