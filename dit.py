@@ -1692,8 +1692,8 @@ def read_checkpoint(path):
         with np.load(path, allow_pickle=False) as f:
             return json.loads(str(f["__meta__"])), {k: f[k] for k in f.files if k != "__meta__"}
     except Exception as e:  # a damaged zip fails in many ways (BadZipFile, EOFError, ValueError, ...)
-        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if a run wrote "
-                         f"it, delete it to resume from the one before") from None
+        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if it is the "
+                         f"newest of a run that crashed, delete it to resume from the one before") from None
 
 
 def restore_state(arrays, abstract_state, shardings, what):
@@ -1718,6 +1718,9 @@ def restore_state(arrays, abstract_state, shardings, what):
 def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
     model configuration in the metadata: small enough to share, and loadable by the official code."""
+    if not ckpt_path.endswith(".npz"):
+        raise SystemExit(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` reads the "
+                         f".safetensors and .pt files directly")
     meta, arrays = read_checkpoint(ckpt_path)
     cfg = config_from_json(meta["model"])
     model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0)))
@@ -2089,7 +2092,10 @@ def generate(sampler, params, n, batch_size, shape, num_classes, seed):
         y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
         noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
         chunks.append(sampler(params, noise, jnp.asarray(y), jax.random.fold_in(jax.random.key(seed + 1), i)))
-    return np.concatenate(chunks)[:n], labels
+    images = np.concatenate(chunks)[:n]
+    if images.shape[-1] == 1:  # grayscale (MNIST): Inception and OpenAI's evaluator take RGB
+        images = np.repeat(images, 3, axis=-1)
+    return images, labels
 
 
 def describe_scores(result, n):
@@ -2101,8 +2107,6 @@ def evaluate_samples(images, ref, inception=None):
     """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, via fid.py.
     Every process holds all the samples; each feeds its own share and fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
-    if share.shape[-1] == 1:  # grayscale (MNIST): Inception takes RGB
-        share = np.repeat(share, 3, axis=-1)
     return fid.evaluate(share, ref_stats=ref, inception=fid.load_inception(inception))
 
 

@@ -1544,6 +1544,13 @@ def test_loss_falls_on_mnist(tmp_path):
     assert loss[-1] < 0.75 * loss[0], loss
     grid = np.asarray(Image.open(tmp_path / "run" / "samples" / "step_0000060.png"))
     assert grid.ndim == 2 and grid.shape[0] > 28  # a grayscale grid of several digits
+    # FID samples of a grayscale model are stored as RGB, the layout fid.py and OpenAI's evaluator read
+    dit.main(["sample", "--ckpt", dit.list_checkpoints(tmp_path / "run")[-1], "--fid", "10", "--batch-size", "10",
+              "--steps", "2", "--out", str(tmp_path / "samples.npz")])
+    with np.load(tmp_path / "samples.npz") as f:
+        images = f["arr_0"]
+    assert images.shape == (10, 28, 28, 3) and images.dtype == np.uint8 and images.std() > 0
+    assert (images[..., :1] == images).all()
 
 
 def test_loss_falls_on_cifar10_photos(tmp_path):
@@ -1616,6 +1623,8 @@ def test_bad_inputs_get_clear_errors(tmp_path, folder_data):
         dit.main(["bench", "--batch-size", "0"])
     with pytest.raises(SystemExit, match="--gif animates a grid"):
         dit.main(["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"])
+    with pytest.raises(SystemExit, match=r"export takes a training checkpoint \(.npz\)"):
+        dit.main(["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"])
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, folder_data):
