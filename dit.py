@@ -171,10 +171,13 @@ def modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
+@jax.checkpoint
 def layer_norm(x, eps=1e-6):
     """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
 
     Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much precision.
+    jax.checkpoint recomputes it in the backward pass from x: kept, its float32 intermediates would take
+    twice the memory of the tokens themselves, in every block.
     """
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
@@ -213,6 +216,13 @@ class Attention(nnx.Module):
         return self.proj(out.reshape(B, T, D))
 
 
+@jax.checkpoint
+def gelu(x):
+    """The tanh-approximated GELU of the official Mlp, recomputed in the backward pass from its input:
+    kept, its intermediates would be the largest activations of a block (five more (B, T, 4D) tensors)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
 class Mlp(nnx.Module):
     """The transformer's feed-forward layer: Linear, tanh-approximated GELU, Linear."""
 
@@ -221,7 +231,7 @@ class Mlp(nnx.Module):
         self.fc2 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+        return self.fc2(gelu(self.fc1(x)))
 
 
 class DiTBlock(nnx.Module):

@@ -215,8 +215,8 @@ def test_remat_and_bf16_match_fp32(reference):
 
 def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     """The memory remat saves: the residuals jax.vjp holds for the backward pass (the leaves of the
-    function it returns). Without remat every block keeps its attention probabilities, MLP activations
-    and normalised tokens; with it, a block keeps little more than its input (B, T, D)."""
+    function it returns). Without remat every block keeps its attention probabilities and the inputs of
+    its matmuls (the GELU and LayerNorm are recomputed); with it, little more than its input (B, T, D)."""
     cfg = dit.dit_config("T/4", input_size=16, in_channels=4, num_classes=10)
     B, T, D = 24, cfg.grid[0] * cfg.grid[1], cfg.hidden_size
     x, t, y = jnp.zeros((B, 16, 16, 4)), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
@@ -227,7 +227,8 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass():
         return sum(r.nbytes for r in jax.tree.leaves(backward) if r.shape[:1] == (B,))  # activations, not weights
 
     block_input = B * T * D * 4  # float32
-    assert residual_bytes(False) > 10 * cfg.depth * block_input
+    # Without remat a block keeps about 21 block inputs' worth; 37 if the GELU kept its intermediates.
+    assert 10 * cfg.depth * block_input < residual_bytes(False) < 25 * cfg.depth * block_input
     assert residual_bytes(True) < 3 * cfg.depth * block_input  # the input, plus the final layer's share
 
 
