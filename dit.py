@@ -16,7 +16,6 @@ Run `python dit.py --help`, or from a notebook `import dit; dit.main(["--size", 
 import argparse
 import dataclasses
 import gzip
-import http.client
 import itertools
 import json
 import math
@@ -1054,7 +1053,7 @@ def load_vae(source="ema", cache_dir=None):
             if not os.path.exists(dest):
                 try:
                     fid.download(SD_VAE_URL.format(source, fname), dest)
-                except (OSError, http.client.HTTPException) as e:
+                except OSError as e:  # fid.download's FileNotFoundError, with the cause
                     raise RuntimeError(
                         f"cannot download {SD_VAE_URL.format(source, fname)} ({e}). Download config.json and "
                         f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by hand into "
@@ -1731,14 +1730,10 @@ def export_ema(ckpt_path, out_path):
     if not ckpt_path.endswith(".npz"):
         raise SystemExit(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` reads the "
                          f".safetensors and .pt files directly")
-    meta, arrays = read_checkpoint(ckpt_path)
-    cfg = config_from_json(meta["model"])
-    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0)))
-    tensors = {}
-    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = "ema." + ".".join(str(p) for p in path)
-        tensors[torch_name(path)] = to_torch_layout(path[-1], arrays[name])
-    tensors["pos_embed"] = sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid)[None].astype(np.float32)
+    model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
+    tensors = {torch_name(path): to_torch_layout(path[-1], np.asarray(var[...]))
+               for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    tensors["pos_embed"] = sincos_pos_embed_2d(model.cfg.hidden_size, *model.cfg.grid)[None].astype(np.float32)
     header = {key: json.dumps(meta[key]) for key in ("model", "objective", "latent_scale")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
@@ -1905,13 +1900,18 @@ def train(args):
             with open(os.path.join(args.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    inception = None  # loaded at the first FID evaluation, then kept
+
     def run_fid(step, n):
+        nonlocal inception
         if not (fid_ref and os.path.exists(fid_ref)):
             print(f"FID skipped: no reference statistics{f' at {fid_ref}' if fid_ref else ''}; pass --fid-ref "
                   f"(`python fid.py stats IMAGES stats.npz` makes one)")
             return
         images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
-        result = evaluate_samples(images, fid_ref, args.inception)
+        if inception is None:
+            inception = fid.load_inception(args.inception)
+        result = evaluate_samples(images, fid_ref, inception)
         log({"step": step, "fid": result["fid"], "fid_samples": n, "inception_score": result["inception_score"]})
         print(f"step {step}: {describe_scores(result, n)}")
 
@@ -2095,7 +2095,7 @@ def spread_labels(n, num_classes):
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
     """n uint8 samples with labels spread evenly over the classes (the official sample_ddp.py draws them at
     random; even spreading removes that source of variance from FID), in
-    global batches of batch_size over all devices and hosts. Returns (images (n, H, W, C), labels (n,))."""
+    global batches of batch_size over all devices and hosts. Returns (images (n, H, W, 3), labels (n,))."""
     labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling", disable=jax.process_index() != 0):
@@ -2113,11 +2113,12 @@ def describe_scores(result, n):
     return f"FID-{n / 1000:g}K {result['fid']:.3f}, Inception Score {'n/a' if score is None else f'{score:.2f}'}"
 
 
-def evaluate_samples(images, ref, inception=None):
-    """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, via fid.py.
-    Every process holds all the samples; each feeds its own share and fid.py combines the statistics."""
+def evaluate_samples(images, ref, inception):
+    """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, with the network
+    that fid.load_inception built. Every process holds all the samples; each feeds its own share and
+    fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
-    return fid.evaluate(share, ref_stats=ref, inception=fid.load_inception(inception))
+    return fid.evaluate(share, ref_stats=ref, inception=inception)
 
 
 #################################################################################
@@ -2214,7 +2215,7 @@ def sample_command(args):
             write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
             print(f"{len(images)} samples -> {out}")
         if args.ref:
-            result = evaluate_samples(images, args.ref, args.inception)
+            result = evaluate_samples(images, args.ref, fid.load_inception(args.inception))
             print(describe_scores(result, args.fid))
         return
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()

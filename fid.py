@@ -951,7 +951,7 @@ def image_statistics(images, inception, batch_size=128, progress=True):
     with tqdm(total=len(mine), unit="img", desc="Inception", disable=not features.progress) as bar:
         for i in range(calls):
             indices = mine[i * chunk:(i + 1) * chunk]  # empty for a process whose share is shorter
-            features.update(images[indices.start:indices.stop:world] if indices else images[:0], bar)
+            features.update(images[indices.start:indices.stop:world], bar)
     return features.result()
 
 
@@ -966,12 +966,12 @@ def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=Tr
     `jax.distributed` each process passes its own images and gets the figures over all of them.
     Returns {"fid", "inception_score", "inception_score_std", "mu", "sigma", "count"}.
     """
+    if isinstance(ref_stats, (str, os.PathLike)):  # read first: a bad path fails before the long pass
+        ref_stats = load_statistics(ref_stats)
     features = InceptionFeatures(inception or load_inception(), batch_size, progress)
     with tqdm(total=len(images), unit="img", desc="Inception", disable=not features.progress) as bar:
         features.update(images, bar)
     out = features.result()
-    if isinstance(ref_stats, (str, os.PathLike)):
-        ref_stats = load_statistics(ref_stats)
     fid = frechet_distance(out["mu"], out["sigma"], *ref_stats) if ref_stats is not None else None
     # IS over 10 splits needs at least 10 images; a tiny evaluation reports FID only.
     score, score_std = inception_score(out["score_logits"]) if out["count"] >= 10 else (None, None)

@@ -70,8 +70,7 @@ def find_images(src, split, classes=None):
                                 f"layout (train.X1..train.X4, val.X) or one folder per class")
     if classes is None:
         classes = sorted(class_dirs)
-    elif set(class_dirs) - set(classes):
-        extra = sorted(set(class_dirs) - set(classes))
+    elif extra := sorted(set(class_dirs) - set(classes)):
         raise ValueError(f"{split} has class folders that the training split lacks: {extra}")
     warnings, files, labels = [], [], []
     for label, wnid in enumerate(classes):

@@ -241,7 +241,6 @@ def test_everything_jit_compiles(reference):
 
 def test_checkpoint_loader_refuses_code(tmp_path):
     """A .pt whose pickle would call os.system is refused by name, and the command never runs."""
-    import zipfile
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -518,15 +517,13 @@ def test_ddpm_rejects_bad_input():
 #################################################################################
 
 @pytest.fixture(scope="module")
-def ref():
-    return np.load(fixture("dit_reference.npz"))
+def ref(reference):
+    return reference[0]
 
 
 @pytest.fixture(scope="module")
-def model(ref):
-    import dit
-    cfg = dit.DiTConfig(**json.loads(str(ref["config"])))
-    return dit.load_dit_checkpoint(fixture("dit_reference.pt"), cfg)
+def model(reference):
+    return reference[2]
 
 
 def test_ddpm_betas(ref):
@@ -1416,12 +1413,12 @@ def test_one_device_equals_four_and_fsdp(tmp_path, folder_data):
     run_dit(tmp_path, train_args(folder_data, tmp_path / "one", 4), devices=1)
     run_dit(tmp_path, train_args(folder_data, tmp_path / "four", 4), devices=4)
     run_dit(tmp_path, train_args(folder_data, tmp_path / "fsdp", 4, ["--fsdp"]), devices=4)
-    _, one = final_state(tmp_path / "one")
+    meta, one = final_state(tmp_path / "one")
     _, four = final_state(tmp_path / "four")
     _, fsdp = final_state(tmp_path / "fsdp")
     assert int(one["step"]) == 4
     # the parameters moved: the comparison is not between two untouched initialisations
-    cfg = dit.config_from_json(final_state(tmp_path / "one")[0]["model"])
+    cfg = dit.config_from_json(meta["model"])
     start = nnx.to_pure_dict(nnx.state(dit.DiT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
     assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"], np.asarray(start["blocks"][0]["attn"]["qkv"]["kernel"]))
     assert_states_close(one, four)
@@ -1915,11 +1912,6 @@ def test_torch_tensor_outside_its_storage_is_refused(tmp_path):
 #                  Tests: InceptionV3, statistics, FID, IS, CLI                 #
 #################################################################################
 
-def _rel(ours, ref):
-    ref = np.asarray(ref, np.float64)
-    return np.linalg.norm(np.asarray(ours, np.float64) - ref) / np.linalg.norm(ref)
-
-
 @pytest.fixture(scope="module")
 def inception(tmp_path_factory):
     """The FID InceptionV3 with the random-weight fixture (the real weights are not needed for parity)."""
@@ -1952,9 +1944,9 @@ def test_fid_features_match_pytorch_fid_set32(inception):
     with pytest.warns(UserWarning, match="singular"):
         out = features.result()
     assert out["count"] == n and out["logits"].shape == logits.shape
-    assert _rel(out["logits"], logits) < 1e-4
-    assert _rel(out["mu"], pool.astype(np.float64).mean(axis=0)) < 1e-4
-    assert _rel(out["sigma"], np.cov(pool.astype(np.float64), rowvar=False)) < 1e-4
+    assert rel_err(out["logits"], logits) < 1e-4
+    assert rel_err(out["mu"], pool.astype(np.float64).mean(axis=0)) < 1e-4
+    assert rel_err(out["sigma"], np.cov(pool.astype(np.float64), rowvar=False)) < 1e-4
 
 
 def test_fid_evaluate_matches_pytorch_fid_features(inception):
@@ -1965,7 +1957,7 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception):
     with pytest.warns(UserWarning, match="singular"):
         out = fid.evaluate(ref["set32"][:n], inception=inception, batch_size=3, progress=False)
     assert out["count"] == n and out["fid"] is None
-    assert _rel(out["mu"], pool.mean(axis=0)) < 1e-4 and _rel(out["sigma"], np.cov(pool, rowvar=False)) < 1e-4
+    assert rel_err(out["mu"], pool.mean(axis=0)) < 1e-4 and rel_err(out["sigma"], np.cov(pool, rowvar=False)) < 1e-4
     # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's minus fc.bias.
     expected_is = fid.inception_score(logits - fid.load_torch(fixture("inception_fid_random.pth"))["fc.bias"])[0]
     # The score sits close to 1 with random weights, so compare what lies above 1.
@@ -1989,7 +1981,7 @@ np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
     subprocess.run([sys.executable, "-c", script], cwd=HERE, env=env, check=True, timeout=120)
     logits = np.load(tmp_path / "logits.npy")
     assert logits.shape == (5, 1008)
-    assert _rel(logits, np.load(reference)["set32_logits"][:5]) < 1e-4
+    assert rel_err(logits, np.load(reference)["set32_logits"][:5]) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["set256", "set384"])
@@ -1998,8 +1990,8 @@ def test_fid_inception_matches_pytorch_fid(inception, name):
     images = ref[name][:6]  # a subset keeps the test short on a CPU
     pool, logits = nnx.jit(lambda model, x: model(x))(inception, images)
     assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
-    assert _rel(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
-    assert _rel(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
+    assert rel_err(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
+    assert rel_err(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
 
 
 def test_fid_frechet_distance_matches_pytorch_fid():
@@ -2104,7 +2096,7 @@ def test_fid_command_line(tmp_path, monkeypatch, capsys):
                   "--weights", fixture("inception_fid_random.pth")])
     mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
     pool = ref["set32_pool3"][:n].astype(np.float64)
-    assert _rel(mu, pool.mean(axis=0)) < 1e-4 and _rel(sigma, np.cov(pool, rowvar=False)) < 1e-4
+    assert rel_err(mu, pool.mean(axis=0)) < 1e-4 and rel_err(sigma, np.cov(pool, rowvar=False)) < 1e-4
 
 
 def test_sampling_errors_are_clear(tmp_path):
