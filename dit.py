@@ -1,20 +1,38 @@
-"""Diffusion Transformers (DiT) in JAX: model, objectives, autoencoder, data, training, sampling, evaluation.
-
-One file, read from top to bottom in the order the data flows:
-
-    configuration -> model (and loading official checkpoints) -> objectives and samplers
-    -> autoencoder -> data -> training (step, checkpoints, loop) -> sampling and evaluation
-    -> benchmark -> command line
+"""Diffusion Transformers (DiT) in JAX: the model, its objectives and samplers, and everything to
+train, sample and evaluate it.
 
 Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICCV 2023
 (arXiv:2212.09748). Official PyTorch code: github.com/facebookresearch/DiT. On the same weights and
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
+The file is a book in two parts. Part I is DiT itself, pure functions and modules with no file input
+or output; a reader can stop at its end. Part II is the harness that feeds and drives it.
+
+    Part I: the core
+      1. Configuration                    the model sizes of the paper
+      2. Embeddings                       timesteps, class labels, patch positions
+      3. The DiT model                    patchify, adaLN-Zero blocks, the linear decoder, guidance
+      4. DDPM                             the paper's objective and samplers, as the official code
+      5. Rectified flow                   straight paths from data to noise, Euler and Heun
+      6. The training step                objective, optimizer, EMA: one jit-able function
+      7. Sampling                         noise and labels in, samples out
+    Part II: the harness
+      8. Weight files                     official PyTorch checkpoints, safetensors
+      9. The autoencoder                  the Stable Diffusion VAE that maps images to latents
+     10. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
+     11. Checkpoints                      atomic saves, exact resume on any number of devices
+     12. The training loop                the mesh, the run directory, train()
+     13. Sampling and evaluation          grids, FID samples, weights from any file
+     14. Benchmark                        images/s, MFU and memory
+     15. Command line                     python dit.py [train|sample|export|bench]
+
 Run `python dit.py --help`, or from a notebook `import dit; dit.main(["--size", "S", ...])`.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gzip
 import itertools
 import json
@@ -45,7 +63,13 @@ import fid
 from fid import load_torch, safe_unpickle
 
 #################################################################################
-#                                 Configuration                                 #
+#                                                                               #
+#                               PART I: THE CORE                                #
+#                                                                               #
+#################################################################################
+
+#################################################################################
+#                               1. Configuration                                #
 #################################################################################
 
 # Hidden size, depth and heads of the four model sizes of Table 1 in the paper. With patch size 2,
@@ -55,14 +79,14 @@ DIT_SIZES = {
     "B": dict(hidden_size=768, depth=12, num_heads=12),
     "L": dict(hidden_size=1024, depth=24, num_heads=16),
     "XL": dict(hidden_size=1152, depth=28, num_heads=16),
-    "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: a tiny size for CPU demos and tests
+    "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: a tiny size for CPU demos
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
     """Architecture of a DiT. The defaults are DiT-XL/2 on 256x256 images (32x32x4 latents)."""
-    input_size: int | tuple[int, int] = 32  # latent (or pixel) height and width; an int means square
+    input_size: int = 32             # height and width of the (square) latent or pixel input
     patch_size: int = 2
     in_channels: int = 4
     hidden_size: int = 1152
@@ -75,11 +99,11 @@ class DiTConfig:
 
     @property
     def grid(self):
-        """Number of patches along height and width."""
-        h, w = (self.input_size, self.input_size) if isinstance(self.input_size, int) else self.input_size
-        if h % self.patch_size or w % self.patch_size:
-            raise ValueError(f"input size {h}x{w} is not divisible by the patch size {self.patch_size}")
-        return h // self.patch_size, w // self.patch_size
+        """Number of patches along each side: the model sees grid * grid tokens."""
+        if self.input_size % self.patch_size:
+            raise ValueError(f"input size {self.input_size} is not divisible by the patch size "
+                             f"{self.patch_size}")
+        return self.input_size // self.patch_size
 
     @property
     def out_channels(self):
@@ -87,15 +111,16 @@ class DiTConfig:
 
 
 def dit_config(name, **overrides):
-    """The official configuration called `name` ('XL/2', 'S/4', ...), with fields replaced by `overrides`."""
+    """The official configuration `name` ('XL/2', 'S/4', ...), with fields replaced by
+    `overrides`."""
     size, _, patch = name.partition("/")
     if size not in DIT_SIZES or patch not in ("2", "4", "8"):
-        raise ValueError(f"unknown DiT configuration {name!r}; expected a size of {list(DIT_SIZES)} with /2, /4 or /8")
+        raise ValueError(f"unknown DiT configuration {name!r}; expected a size of "
+                         f"{list(DIT_SIZES)} with /2, /4 or /8")
     return DiTConfig(patch_size=int(patch), **{**DIT_SIZES[size], **overrides})
 
-
 #################################################################################
-#                   Embedding Layers for Timesteps and Class Labels             #
+#          2. Embeddings: timesteps, class labels and patch positions           #
 #################################################################################
 
 # The official code initialises every linear layer Xavier-uniform with zero bias, then overrides
@@ -106,32 +131,35 @@ zeros = nnx.initializers.zeros_init()
 
 
 def timestep_embedding(t, dim, max_period=10000):
-    """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official code
-    (cosines first, then sines; frequencies from 1 down to 1/max_period)."""
+    """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
+    code (cosines first, then sines; frequencies from 1 down to 1/max_period)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 
-def sincos_pos_embed_2d(dim, grid_h, grid_w):
-    """Fixed 2-D sine-cosine position table (T, dim), T = grid_h * grid_w, row-major over the patches.
+def sincos_pos_embed_2d(dim, grid):
+    """Fixed 2-D sine-cosine position table (T, dim) of a grid x grid patch layout, T = grid**2,
+    row-major over the patches.
 
-    Half of the channels encode the column and half the row (MAE's get_2d_sincos_pos_embed, which DiT
-    uses; the column comes first, as the official meshgrid orders it). float64 numpy, as the official
-    table is built, so that it is a constant of the compiled program.
+    Half of the channels encode the column and half the row (MAE's get_2d_sincos_pos_embed, which
+    DiT uses; the column comes first, as the official meshgrid orders it). float64 numpy, as the
+    official table is built, so that it is a constant of the compiled program.
     """
     def embed_1d(d, pos):
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         out = np.outer(pos.reshape(-1), omega)  # (T, d/2)
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
 
-    rows, cols = np.meshgrid(np.arange(grid_h, dtype=np.float64), np.arange(grid_w, dtype=np.float64), indexing="ij")
+    rows, cols = np.meshgrid(np.arange(grid, dtype=np.float64), np.arange(grid, dtype=np.float64),
+                             indexing="ij")
     return np.concatenate([embed_1d(dim // 2, cols), embed_1d(dim // 2, rows)], axis=1)
 
 
 class TimestepEmbedder(nnx.Module):
-    """Embeds scalar timesteps into vectors: sinusoidal features, then a two-layer MLP (Sec. 3.2)."""
+    """Embeds scalar timesteps into vectors: sinusoidal features, then a two-layer MLP with SiLU.
+    The paper takes this embedding from ADM (Sec. 4, "Diffusion")."""
 
     def __init__(self, hidden_size, freq_size=256, *, dtype, rngs):
         self.freq_size = freq_size
@@ -146,8 +174,9 @@ class TimestepEmbedder(nnx.Module):
 
 
 class LabelEmbedder(nnx.Module):
-    """Embeds class labels into vectors. One extra row, the null label `num_classes`, stands for "no
-    class": labels are dropped to it at random during training, which classifier-free guidance needs."""
+    """Embeds class labels into vectors. One extra row, the null label `num_classes`, stands for
+    "no class": labels are dropped to it at random during training, which classifier-free guidance
+    needs."""
 
     def __init__(self, num_classes, hidden_size, dropout_prob, *, rngs):
         self.num_classes, self.dropout_prob = num_classes, dropout_prob
@@ -160,9 +189,8 @@ class LabelEmbedder(nnx.Module):
             labels = jnp.where(drop, self.num_classes, labels)
         return self.embedding_table(labels)
 
-
 #################################################################################
-#                                 Core DiT Model                                #
+#                                3. The DiT model                               #
 #################################################################################
 
 def modulate(x, shift, scale):
@@ -174,9 +202,9 @@ def modulate(x, shift, scale):
 def layer_norm(x, eps=1e-6):
     """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
 
-    Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much precision.
-    jax.checkpoint recomputes it in the backward pass from x: kept, its float32 intermediates would take
-    twice the memory of the tokens themselves, in every block.
+    Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much
+    precision. jax.checkpoint recomputes it in the backward pass from x: kept, its float32
+    intermediates would take twice the memory of the tokens themselves, in every block.
     """
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
@@ -185,12 +213,14 @@ def layer_norm(x, eps=1e-6):
 
 
 class PatchEmbed(nnx.Module):
-    """Patchify (Sec. 3.1): each non-overlapping p x p patch becomes one token, by a linear map that
-    a p x p convolution with stride p computes."""
+    """Patchify (Sec. 3.2, Fig. 4): each non-overlapping p x p patch becomes one token, by a linear
+    map that a p x p convolution with stride p computes."""
 
     def __init__(self, in_channels, hidden_size, patch_size, *, dtype, rngs):
-        # Xavier over the flattened patch, as the official code computes it on the weight's 2-D view.
-        init = nnx.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=(0, 1, 2), out_axis=-1)
+        # Xavier over the flattened patch, as the official code computes it on the weight's
+        # 2-D view.
+        init = nnx.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=(0, 1, 2),
+                                                 out_axis=-1)
         self.proj = nnx.Conv(in_channels, hidden_size, (patch_size, patch_size), strides=patch_size,
                              padding="VALID", kernel_init=init, dtype=dtype, rngs=rngs)
 
@@ -210,15 +240,16 @@ class Attention(nnx.Module):
     def __call__(self, x):  # (B, T, D)
         B, T, D = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
-        q, k, v = qkv.transpose(2, 0, 1, 3, 4)  # each (B, T, H, D/H)
+        q, k, v = qkv.transpose(2, 0, 1, 3, 4)        # each (B, T, H, D/H)
         out = jax.nn.dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(D/H)) v, (B, T, H, D/H)
         return self.proj(out.reshape(B, T, D))
 
 
 @jax.checkpoint
 def gelu(x):
-    """The tanh-approximated GELU of the official Mlp, recomputed in the backward pass from its input:
-    kept, its intermediates would be the largest activations of a block (five more (B, T, 4D) tensors)."""
+    """The tanh-approximated GELU of the official Mlp, recomputed in the backward pass from its
+    input: kept, its intermediates would be the largest activations of a block (five more (B, T, 4D)
+    tensors)."""
     return jax.nn.gelu(x, approximate=True)
 
 
@@ -229,7 +260,7 @@ class Mlp(nnx.Module):
         self.fc1 = nnx.Linear(dim, hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
         self.fc2 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x):  # (B, T, D) -> (B, T, D)
         return self.fc2(gelu(self.fc1(x)))
 
 
@@ -237,8 +268,9 @@ class DiTBlock(nnx.Module):
     """A DiT block with adaLN-Zero conditioning (Sec. 3.2, Fig. 3).
 
     From the conditioning vector c the block regresses a shift, a scale and a gate for both the
-    attention and the MLP branch. The regression is initialised to zero, so every block starts as the
-    identity function, which the paper found best among the conditioning schemes it tried.
+    attention and the MLP branch. The regression is initialised to zero, so every block starts as
+    the identity function, which the paper found best among the conditioning schemes it tried
+    (Fig. 5).
     """
 
     def __init__(self, hidden_size, num_heads, mlp_ratio, *, dtype, rngs):
@@ -250,7 +282,8 @@ class DiTBlock(nnx.Module):
         )
 
     def __call__(self, x, c):  # x (B, T, D), c (B, D)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(self.adaLN_modulation(c), 6, -1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
+            self.adaLN_modulation(c), 6, axis=-1)
         x = x + gate_msa[:, None] * self.attn(modulate(layer_norm(x), shift_msa, scale_msa))
         x = x + gate_mlp[:, None] * self.mlp(modulate(layer_norm(x), shift_mlp, scale_mlp))
         return x
@@ -260,21 +293,21 @@ class FinalLayer(nnx.Module):
     """adaLN-modulated LayerNorm and a zero-initialised linear decoder from tokens to patches."""
 
     def __init__(self, hidden_size, patch_size, out_channels, *, dtype, rngs):
-        self.linear = nnx.Linear(hidden_size, patch_size * patch_size * out_channels, kernel_init=zeros,
-                                 dtype=dtype, rngs=rngs)
+        self.linear = nnx.Linear(hidden_size, patch_size * patch_size * out_channels,
+                                 kernel_init=zeros, dtype=dtype, rngs=rngs)
         self.adaLN_modulation = nnx.Sequential(
             nnx.silu,
             nnx.Linear(hidden_size, 2 * hidden_size, kernel_init=zeros, dtype=dtype, rngs=rngs),
         )
 
     def __call__(self, x, c):  # x (B, T, D), c (B, D) -> (B, T, p*p*C_out)
-        shift, scale = jnp.split(self.adaLN_modulation(c), 2, -1)
+        shift, scale = jnp.split(self.adaLN_modulation(c), 2, axis=-1)
         return self.linear(modulate(layer_norm(x), shift, scale))
 
 
 class DiT(nnx.Module):
-    """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label (B,)
-    in, the predicted noise (and variance values, when learn_sigma) out, (B, H, W, C_out).
+    """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
+    (B,) in, the predicted noise (and variance values, when learn_sigma) out, (B, H, W, C_out).
 
     `dtype` is the compute dtype (bfloat16 for mixed precision); parameters stay float32.
     `remat` recomputes each block's activations in the backward pass instead of storing them, which
@@ -293,15 +326,15 @@ class DiT(nnx.Module):
         self.final_layer = FinalLayer(D, p, cfg.out_channels, dtype=dtype, rngs=rngs)
 
     def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C)
-        (h, w), p = self.cfg.grid, self.cfg.patch_size
-        x = x.reshape(x.shape[0], h, w, p, p, -1)
-        return x.transpose(0, 1, 3, 2, 4, 5).reshape(x.shape[0], h * p, w * p, -1)
+        g, p = self.cfg.grid, self.cfg.patch_size
+        x = x.reshape(x.shape[0], g, g, p, p, -1)
+        return x.transpose(0, 1, 3, 2, 4, 5).reshape(x.shape[0], g * p, g * p, -1)
 
     def __call__(self, x, t, y, drop_key=None):
-        """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the model is
-        unconditional). `drop_key` turns on the random label dropout of training."""
-        x = self.x_embedder(x.astype(self.dtype))                   # (B, T, D)
-        x = x + jnp.asarray(sincos_pos_embed_2d(self.cfg.hidden_size, *self.cfg.grid), self.dtype)
+        """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
+        model is unconditional). `drop_key` turns on the random label dropout of training."""
+        x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
+        x = x + jnp.asarray(sincos_pos_embed_2d(self.cfg.hidden_size, self.cfg.grid), self.dtype)
         c = self.t_embedder(t)                                       # (B, D)
         if self.cfg.num_classes:
             c = c + self.y_embedder(y, drop_key)
@@ -311,20 +344,23 @@ class DiT(nnx.Module):
         return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
-        """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official sampler uses it.
+        """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official
+        sampler uses it.
 
-        The batch is two halves: conditional labels first, null labels second; the first half of x is
-        used for both (the second half of x is ignored), and the guided prediction
+        The batch is two halves: conditional labels first, null labels second; the first half of x
+        is used for both (the second half of x is ignored), and the guided prediction
             uncond + cfg_scale * (cond - uncond)
-        is returned for both halves. Only the first `guidance_channels` channels are guided: the official
-        FID figures (2.27 for DiT-XL/2 at scale 1.5) used 3 of the 4 latent channels; None guides all the
-        predicted channels (the noise or velocity; a learned variance is never guided). `interval`, a pair
-        (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise range and samples conditionally
-        elsewhere (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval").
+        is returned for both halves. Only the first `guidance_channels` channels are guided: the
+        official FID figures (2.27 for DiT-XL/2 at scale 1.5) used 3 of the 4 latent channels; None
+        guides all the predicted channels (the noise or velocity; a learned variance is never
+        guided). `interval`, a pair (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise
+        range and samples conditionally elsewhere (Kynkaanniemi et al. 2024, "Applying guidance in a
+        limited interval").
         """
         half = x[: x.shape[0] // 2]
         out = self(jnp.concatenate([half, half]), t, y)              # (2B, H, W, C_out)
-        n = self.cfg.in_channels if guidance_channels is None else min(guidance_channels, self.cfg.in_channels)
+        C = self.cfg.in_channels
+        n = C if guidance_channels is None else min(guidance_channels, C)
         guided, rest = out[..., :n], out[..., n:]
         cond, uncond = jnp.split(guided, 2)
         scale = jnp.full(t.shape, cfg_scale, jnp.float32)
@@ -340,144 +376,54 @@ def count_params(model):
     which PyTorch stores as a frozen parameter: add T * D to compare.)"""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
-
 #################################################################################
-#                     Official PyTorch checkpoints, without torch               #
+#                                    4. DDPM                                    #
 #################################################################################
-
-def torch_name(path):
-    """The PyTorch state-dict key of one of our parameters: ('blocks', 0, 'attn', 'qkv', 'kernel') ->
-    'blocks.0.attn.qkv.weight'. nnx.Sequential stores its layers under 'layers', which PyTorch omits."""
-    names = [str(p) for p in path if p != "layers"]
-    names[-1] = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(names[-1], names[-1])
-    return ".".join(names)
-
-
-def to_torch_layout(leaf, value):
-    """Our layout -> PyTorch's for the parameter called `leaf`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in both."""
-    if leaf != "kernel":
-        return value
-    return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
-
-
-def from_torch_layout(leaf, value):
-    """PyTorch's layout -> ours, the inverse of to_torch_layout."""
-    if leaf != "kernel":
-        return value
-    return value.T if value.ndim == 2 else value.transpose(2, 3, 1, 0)
-
-
-def load_state_dict(model, state_dict, what):
-    """Copy a PyTorch state dict into `model`, checking every key and shape; conversions in to_torch_layout.
-
-    Keys the model lacks, and model parameters the file lacks, are errors that name them: they mean
-    the file holds another architecture. (pos_embed, the fixed table, is recomputed, not loaded.)
-    `what` names the file in messages.
-    """
-    params = nnx.state(model, nnx.Param)
-    flat = nnx.to_flat_state(params)
-    ours = {torch_name(path): (path, var) for path, var in flat}
-    missing = sorted(set(ours) - set(state_dict))
-    if missing:
-        raise ValueError(f"{what} lacks {len(missing)} parameters of the model, e.g. {missing[:5]}: "
-                         f"it holds another architecture or configuration")
-    for name, (path, var) in ours.items():
-        value = from_torch_layout(path[-1], np.asarray(state_dict[name]))
-        if value.shape != var.shape:
-            raise ValueError(f"{what}: {name} has shape {state_dict[name].shape} but the model expects "
-                             f"{to_torch_layout(path[-1], np.empty(var.shape)).shape}: the checkpoint is from "
-                             f"another model size or configuration")
-        var.set_value(jnp.asarray(value, var.dtype))  # the model may be abstract (nnx.eval_shape)
-    extra = set(state_dict) - set(ours) - {"pos_embed"}
-    if extra:
-        raise ValueError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it holds "
-                         f"another architecture or configuration")
-
-
-def infer_dit_config(state_dict):
-    """Recover a DiTConfig from the shapes in an official state dict (heads from the official sizes)."""
-    D, C, p, _ = state_dict["x_embedder.proj.weight"].shape
-    T = state_dict["pos_embed"].shape[1]
-    depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
-    heads = {v["hidden_size"]: v["num_heads"] for v in DIT_SIZES.values()}.get(D)
-    if heads is None:
-        raise ValueError(f"hidden size {D} is not one of the official sizes, so the number of heads is "
-                         f"unknown: pass a DiTConfig")
-    out = state_dict["final_layer.linear.weight"].shape[0] // (p * p)
-    table = state_dict.get("y_embedder.embedding_table.weight")
-    side = int(round(math.sqrt(T))) * p
-    return DiTConfig(input_size=side, patch_size=p, in_channels=C, hidden_size=D, depth=depth, num_heads=heads,
-                     num_classes=0 if table is None else table.shape[0] - 1, learn_sigma=out == 2 * C)
-
-
-def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
-    """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`, or a
-    checkpoint of the official train.py, whose EMA weights are taken). torch is not needed: the file is
-    read by fid.load_torch, a restricted unpickler that refuses anything but tensors.
-
-    The configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go to DiT.
-    """
-    state_dict = load_torch(path)
-    if isinstance(state_dict, dict) and "ema" in state_dict:
-        state_dict = state_dict["ema"]
-    if not isinstance(state_dict, dict) or "x_embedder.proj.weight" not in state_dict:
-        raise ValueError(f"{path} is not a DiT state dict (no 'x_embedder.proj.weight')")
-    cfg = cfg or infer_dit_config(state_dict)
-    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))  # no random init to overwrite
-    load_state_dict(model, state_dict, path)
-    table = sincos_pos_embed_2d(cfg.hidden_size, *cfg.grid)
-    if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
-        raise ValueError(f"{path}: pos_embed differs from the 2-D sin-cos table of a {cfg.grid} grid")
-    return model
-
-
-#################################################################################
-#                            Objectives and Samplers                            #
-#################################################################################
-# Two ways to train and sample the same network. GaussianDiffusion is DDPM exactly as the official DiT
-# trains and samples it (facebookresearch/DiT, diffusion/gaussian_diffusion.py and respace.py, themselves
-# taken from OpenAI's improved-diffusion / guided-diffusion). RectifiedFlow is the straight-line flow of
-# Liu et al. 2022 with the logit-normal timesteps of Esser et al. 2024 (SD3), in the spirit of minRF.
+# Two objectives train and sample the same network. This section is DDPM exactly as the official DiT
+# trains and samples it (facebookresearch/DiT, diffusion/gaussian_diffusion.py and respace.py,
+# themselves taken from OpenAI's improved-diffusion / guided-diffusion); the next is rectified flow.
 #
-# Both talk to the network through one interface: model_fn(x, t) -> out, with x (B, H, W, C) and t (B,)
-# float32 timesteps on DiT's 0..1000 scale. Class labels and classifier-free guidance are closed over by
-# the caller, e.g. model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
-
+# Both talk to the network through one interface: model_fn(x, t) -> out, with x (B, H, W, C) and t
+# (B,) float32 timesteps on DiT's 0..1000 scale. Class labels and classifier-free guidance are
+# closed over by the caller, e.g.
+# model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
-    """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol & Dhariwal
-    2021 section 4). "ddimN": the evenly strided steps 0, k, 2k, ... of the DDIM paper, N of them.
-    "N" or "N1,N2,...": split the T steps into equal sections and take N_i roughly evenly spaced steps from
-    section i, both of its ends included. E.g. space_timesteps(1000, "250") -> [0, 4, 8, ..., 999]."""
+    """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
+    Dhariwal 2021 section 4). "ddimN": the evenly strided steps 0, k, 2k, ... of the DDIM paper, N
+    of them. "N" or "N1,N2,...": split the T steps into equal sections and take N_i roughly evenly
+    spaced steps from section i, both of its ends included.
+    E.g. space_timesteps(1000, "250") -> [0, 4, 8, ..., 999]."""
     if not isinstance(section_counts, str):
-        raise TypeError(f"timestep respacing must be a string such as '250' or 'ddim25', got {section_counts!r}")
+        raise TypeError(f"timestep respacing must be a string such as '250' or 'ddim25', got "
+                        f"{section_counts!r}")
     if section_counts.startswith("ddim"):
         try:
             desired = int(section_counts[len("ddim"):])
         except ValueError:
-            raise ValueError(f"timestep respacing {section_counts!r}: expected 'ddim' followed by a step "
-                             f"count, e.g. 'ddim25'") from None
+            raise ValueError(f"timestep respacing {section_counts!r}: expected 'ddim' followed by "
+                             f"a step count, e.g. 'ddim25'") from None
         for stride in range(1, num_timesteps):
             if len(range(0, num_timesteps, stride)) == desired:
                 return list(range(0, num_timesteps, stride))
-        raise ValueError(f"timestep respacing {section_counts!r}: no integer stride gives exactly {desired} "
-                         f"of {num_timesteps} steps; pick another count or use plain '{desired}' spacing")
+        raise ValueError(f"timestep respacing {section_counts!r}: no integer stride gives exactly "
+                         f"{desired} of {num_timesteps} steps; pick another count or use plain "
+                         f"'{desired}' spacing")
     try:
         counts = [int(c) for c in section_counts.split(",")]
     except ValueError:
-        raise ValueError(f"timestep respacing {section_counts!r}: expected a step count ('250'), counts per "
-                         f"section ('10,15,20') or 'ddimN'") from None
+        raise ValueError(f"timestep respacing {section_counts!r}: expected a step count ('250'), "
+                         f"counts per section ('10,15,20') or 'ddimN'") from None
     size_per, extra = divmod(num_timesteps, len(counts))
     start, steps = 0, []
     for i, count in enumerate(counts):
         size = size_per + (1 if i < extra else 0)  # the first `extra` sections take one more step
         if not 1 <= count <= size:
-            raise ValueError(f"timestep respacing {section_counts!r}: section {i} has {size} steps, cannot "
-                             f"take {count} of them (need 1 <= count <= {size})")
+            raise ValueError(f"timestep respacing {section_counts!r}: section {i} has {size} "
+                             f"steps, cannot take {count} of them (need 1 <= count <= {size})")
         stride = (size - 1) / (count - 1) if count > 1 else 1
-        # accumulate the float stride and round (to even, Python's round) exactly as the official code does,
-        # so that the same string selects the same steps
+        # accumulate the float stride and round (to even, Python's round) exactly as the official
+        # code does, so that the same string selects the same steps
         cur = 0.0
         for _ in range(count):
             steps.append(start + round(cur))
@@ -487,9 +433,9 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
 
 
 def _extract(table, t, ndim):
-    """table[t] for a batch of step indices t (B,), as float32 shaped (B, 1, ..., 1) to broadcast against
-    (B, H, W, C). The table is computed in float64 and rounded to float32, the values the official
-    _extract_into_tensor gathers."""
+    """table[t] for a batch of step indices t (B,), as float32 shaped (B, 1, ..., 1) to broadcast
+    against (B, H, W, C). The table is computed in float64 and rounded to float32, the values the
+    official _extract_into_tensor gathers."""
     values = jnp.asarray(table, dtype=jnp.float32)[t]
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
@@ -512,8 +458,8 @@ def _approx_standard_normal_cdf(x):
 
 
 def _discretized_gaussian_log_likelihood(x, means, log_scales):
-    """log P(x) per element under N(means, e^(2 log_scales)) integrated over x's bin of width 2/255, with the
-    outermost bins open-ended (Ho et al. 2020 eq. 13). x is data assumed in [-1, 1]."""
+    """log P(x) per element under N(means, e^(2 log_scales)) integrated over x's bin of width 2/255,
+    with the outermost bins open-ended (Ho et al. 2020 eq. 13). x is data assumed in [-1, 1]."""
     centered = x - means
     inv_std = jnp.exp(-log_scales)
     cdf_plus = _approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))
@@ -521,35 +467,40 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
     log_cdf_plus = jnp.log(jnp.maximum(cdf_plus, 1e-12))
     log_one_minus_cdf_min = jnp.log(jnp.maximum(1.0 - cdf_min, 1e-12))
     log_cdf_delta = jnp.log(jnp.maximum(cdf_plus - cdf_min, 1e-12))
-    return jnp.where(x < -0.999, log_cdf_plus, jnp.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
+    return jnp.where(x < -0.999, log_cdf_plus,
+                     jnp.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
 class GaussianDiffusion:
-    """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT trains it:
-    linear betas, epsilon prediction, loss = MSE(eps) + VLB, where the VLB term only trains the variance.
-    Equals the official create_diffusion(timestep_respacing) with its defaults (learn_sigma=True, MSE loss).
+    """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT
+    trains it: linear betas, epsilon prediction, loss = MSE(eps) + VLB, where the VLB term only
+    trains the variance. Equals the official create_diffusion(timestep_respacing) with its defaults
+    (learn_sigma=True, MSE loss).
 
     timestep_respacing: "" keeps all num_timesteps steps (training); "250" or "ddim25" (see
-    space_timesteps) builds the shorter chain that samplers walk: the kept steps keep their alpha-bar, so
-    betas are recomputed between them. Step indices t below index this (possibly respaced) chain; the
-    network always sees the original timestep, timestep_map[t], which is what it was trained on.
-    All schedule constants are float64 numpy arrays, as in the official code."""
+    space_timesteps) builds the shorter chain that samplers walk: the kept steps keep their
+    alpha-bar, so betas are recomputed between them. Step indices t below index this (possibly
+    respaced) chain; the network always sees the original timestep, timestep_map[t], which is what
+    it was trained on. All schedule constants are float64 numpy arrays, as in the official code."""
 
     def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
         if not (isinstance(num_timesteps, int) and num_timesteps > 1):
             raise ValueError(f"num_timesteps must be an int > 1, got {num_timesteps!r}")
-        # Linear schedule of Ho et al.; scaled so that any T has roughly the same total noise as T = 1000
+        # Linear schedule of Ho et al.; scaled so that any T has roughly the same total noise as
+        # T = 1000
         scale = 1000 / num_timesteps
         base_betas = np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
         base_alphas_cumprod = np.cumprod(1.0 - base_betas)
 
-        self.timestep_map = np.array(space_timesteps(num_timesteps, timestep_respacing or str(num_timesteps)))
-        if len(self.timestep_map) < 2:  # the posterior variance at t = 0 is clipped to the one at t = 1
+        self.timestep_map = np.array(space_timesteps(num_timesteps,
+                                                     timestep_respacing or str(num_timesteps)))
+        # the posterior variance at t = 0 is clipped to the one at t = 1
+        if len(self.timestep_map) < 2:
             raise ValueError(f"a DDPM chain needs at least 2 steps, {timestep_respacing!r} gives "
                              f"{len(self.timestep_map)}")
         kept = base_alphas_cumprod[self.timestep_map]
-        # The official code respaces even when keeping every step, which changes betas in the last bits;
-        # do the same so that the constants match theirs exactly.
+        # The official code respaces even when keeping every step, which changes betas in the last
+        # bits; do the same so that the constants match theirs exactly.
         self.betas = 1.0 - kept / np.append(1.0, kept[:-1])
         self.num_timesteps = len(self.betas)
 
@@ -560,12 +511,17 @@ class GaussianDiffusion:
         self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
         self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
-        # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)   (Ho et al. eq. 6-7)
-        posterior_variance = self.betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
+        # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)
+        # (Ho et al. eq. 6-7)
+        posterior_variance = (self.betas * (1.0 - self.alphas_cumprod_prev)
+                              / (1.0 - self.alphas_cumprod))
         # the variance is 0 at t = 0; its log is clipped to the next value so that it stays finite
-        self.posterior_log_variance_clipped = np.log(np.append(posterior_variance[1], posterior_variance[1:]))
-        self.posterior_mean_coef1 = self.betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
-        self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
+        self.posterior_log_variance_clipped = np.log(np.append(posterior_variance[1],
+                                                               posterior_variance[1:]))
+        self.posterior_mean_coef1 = (self.betas * np.sqrt(self.alphas_cumprod_prev)
+                                     / (1.0 - self.alphas_cumprod))
+        self.posterior_mean_coef2 = ((1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas)
+                                     / (1.0 - self.alphas_cumprod))
 
     def _model_time(self, t):
         """Step indices (B,) -> the original timesteps the network was trained on, float32 (B,)."""
@@ -578,15 +534,16 @@ class GaussianDiffusion:
         return mean, _extract(self.posterior_log_variance_clipped, t, x_t.ndim)
 
     def p_mean_variance(self, model_out, x, t_index):
-        """The model's reverse step p(x_{t-1} | x_t) from its raw output (official p_mean_variance, no
-        clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the log-variance
-        between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal eq. 15).
-        Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
+        """The model's reverse step p(x_{t-1} | x_t) from its raw output (official p_mean_variance,
+        no clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the
+        log-variance between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal
+        eq. 15). Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
         C = x.shape[-1]
         if model_out.shape != x.shape[:-1] + (2 * C,):
-            raise ValueError(f"GaussianDiffusion needs the model to predict eps and variance, shape "
-                             f"{x.shape[:-1] + (2 * C,)} for x of shape {x.shape}, got {model_out.shape}; "
-                             f"build the DiT with learn_sigma=True (or use RectifiedFlow for learn_sigma=False)")
+            raise ValueError(f"GaussianDiffusion needs the model to predict eps and variance, "
+                             f"shape {x.shape[:-1] + (2 * C,)} for x of shape {x.shape}, got "
+                             f"{model_out.shape}; build the DiT with learn_sigma=True (or use "
+                             f"RectifiedFlow for learn_sigma=False)")
         eps, var_values = model_out[..., :C], model_out[..., C:]
         min_log = _extract(self.posterior_log_variance_clipped, t_index, x.ndim)
         max_log = _extract(np.log(self.betas), t_index, x.ndim)
@@ -600,26 +557,31 @@ class GaussianDiffusion:
 
     def losses_at(self, model_fn, x0, t, noise):
         """Per-sample losses at given step indices t (B,) int and noise like x0 (B, H, W, C)
-        (official training_losses). Returns dict(loss, mse, vb), each (B,); vb is in bits per dimension."""
+        (official training_losses). Returns dict(loss, mse, vb), each (B,); vb is in bits per
+        dimension."""
         x_t = (_extract(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
                + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.ndim) * noise)
         model_out = model_fn(x_t, self._model_time(t))  # (B, H, W, 2C)
         eps = model_out[..., :x0.shape[-1]]
-        # The VLB term trains only the variance: the mean it sees is frozen, so the eps head learns from the
-        # MSE alone (the official `frozen_out`).
-        frozen = jnp.concatenate([jax.lax.stop_gradient(eps), model_out[..., x0.shape[-1]:]], axis=-1)
+        # The VLB term trains only the variance: the mean it sees is frozen, so the eps head learns
+        # from the MSE alone (the official `frozen_out`).
+        frozen = jnp.concatenate([jax.lax.stop_gradient(eps), model_out[..., x0.shape[-1]:]],
+                                 axis=-1)
         p = self.p_mean_variance(frozen, x_t, t)
         true_mean, true_log_variance = self._q_posterior(x0, x_t, t)
-        kl = _mean_flat(_normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / np.log(2.0)
+        kl = _mean_flat(_normal_kl(
+            true_mean, true_log_variance, p["mean"], p["log_variance"])) / np.log(2.0)
         decoder_nll = -_mean_flat(_discretized_gaussian_log_likelihood(
             x0, p["mean"], 0.5 * p["log_variance"])) / np.log(2.0)
-        # the first step (t = 0) has no posterior to match: its term is the likelihood of the data itself
+        # the first step (t = 0) has no posterior to match: its term is the likelihood of the data
+        # itself
         vb = jnp.where(t == 0, decoder_nll, kl)
         mse = _mean_flat((noise - eps) ** 2)
         return {"loss": mse + vb, "mse": mse, "vb": vb}
 
     def training_losses(self, model_fn, x0, key):
-        """losses_at with t uniform over the chain's steps and standard normal noise, drawn from key."""
+        """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
+        key."""
         key_t, key_noise = jax.random.split(key)
         t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
@@ -627,15 +589,17 @@ class GaussianDiffusion:
 
     def sample(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
         """Walk this instance's chain from t = T-1 down to 0, starting at noise (B, H, W, C).
-        method "ddpm": ancestral sampling, x_{t-1} ~ p(x_{t-1} | x_t) with fresh noise from key each step
-        (official p_sample_loop). method "ddim": DDIM with eta = 0 (Song et al. 2021 eq. 12), deterministic,
-        key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as DiT samples latents.
-        For a user's step count use GaussianDiffusion(str(steps)) or GaussianDiffusion(f"ddim{steps}").
-        Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
+        method "ddpm": ancestral sampling, x_{t-1} ~ p(x_{t-1} | x_t) with fresh noise from key each
+        step (official p_sample_loop). method "ddim": DDIM with eta = 0 (Song et al. 2021 eq. 12),
+        deterministic, key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as
+        DiT samples latents. For a user's step count use GaussianDiffusion(str(steps)) or
+        GaussianDiffusion(f"ddim{steps}"). Returns x0 (B, H, W, C), or
+        (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
         if method not in ("ddpm", "ddim"):
             raise ValueError(f"unknown DDPM sampling method {method!r}; use 'ddpm' or 'ddim'")
         if method == "ddpm" and key is None:
-            raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a PRNG key")
+            raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a "
+                             "PRNG key")
         steps = jnp.arange(self.num_timesteps - 1, -1, -1)
         step_keys = jax.random.split(key, self.num_timesteps) if method == "ddpm" else None
 
@@ -645,10 +609,12 @@ class GaussianDiffusion:
             p = self.p_mean_variance(model_fn(x, self._model_time(t)), x, t)
             if method == "ddpm":
                 z = jax.random.normal(step_key, x.shape, x.dtype)
-                keep_noise = (t != 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))  # none at the last step
+                # none at the last step
+                keep_noise = (t != 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
                 x = p["mean"] + keep_noise * jnp.exp(0.5 * p["log_variance"]) * z
             else:
-                # re-derive eps from pred_xstart as the official code does (same value, same rounding)
+                # re-derive eps from pred_xstart as the official code does (same value, same
+                # rounding)
                 eps = ((_extract(self.sqrt_recip_alphas_cumprod, t, x.ndim) * x - p["pred_xstart"])
                        / _extract(self.sqrt_recipm1_alphas_cumprod, t, x.ndim))
                 alpha_bar_prev = _extract(self.alphas_cumprod_prev, t, x.ndim)
@@ -660,19 +626,23 @@ class GaussianDiffusion:
             return x, jnp.concatenate([noise[None], trajectory])
         return x
 
+#################################################################################
+#                                5. Rectified flow                              #
+#################################################################################
 
 class RectifiedFlow:
-    """Rectified flow / flow matching (Liu et al. 2022, Lipman et al. 2023): x_t = (1 - t) x_0 + t eps
-    walks a straight line from data (t = 0) to noise (t = 1), and the network learns its velocity
-    dx_t/dt = eps - x_0 by regression. Training times t come from timestep_sampling: "logit_normal",
-    t = sigmoid(loc + scale * n) with n ~ N(0, 1), which favours the middle of the path (Esser et al. 2024,
-    SD3 section 3.1; loc = 0, scale = 1 is their best), or "uniform" on [0, 1).
-    The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the velocity
-    (B, H, W, C): build the DiT with learn_sigma=False."""
+    """Rectified flow / flow matching (Liu et al. 2022, Lipman et al. 2023): x_t = (1 - t) x_0 + t
+    eps walks a straight line from data (t = 0) to noise (t = 1), and the network learns its
+    velocity dx_t/dt = eps - x_0 by regression. Training times t come from timestep_sampling:
+    "logit_normal", t = sigmoid(loc + scale * n) with n ~ N(0, 1), which favours the middle of the
+    path (Esser et al. 2024, SD3 section 3.1; loc = 0, scale = 1 is their best), or "uniform"
+    on [0, 1). The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the
+    velocity (B, H, W, C): build the DiT with learn_sigma=False."""
 
     def __init__(self, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
         if timestep_sampling not in ("logit_normal", "uniform"):
-            raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' or 'uniform'")
+            raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' "
+                             f"or 'uniform'")
         if not scale > 0:
             raise ValueError(f"the logit-normal scale must be positive, got {scale!r}")
         self.timestep_sampling, self.loc, self.scale = timestep_sampling, float(loc), float(scale)
@@ -687,12 +657,14 @@ class RectifiedFlow:
         """The network's velocity at x (B, H, W, C) and times t (B,) in [0, 1]."""
         v = model_fn(x, 1000.0 * t)
         if v.shape != x.shape:
-            raise ValueError(f"RectifiedFlow needs the model to predict a velocity shaped like x {x.shape}, got "
-                             f"{v.shape}; build the DiT with learn_sigma=False (learned variance is DDPM's)")
+            raise ValueError(f"RectifiedFlow needs the model to predict a velocity shaped like x "
+                             f"{x.shape}, got {v.shape}; build the DiT with learn_sigma=False "
+                             f"(learned variance is DDPM's)")
         return v
 
     def training_losses(self, model_fn, x0, key):
-        """Per-sample squared error of the velocity, mean over non-batch axes (minRF). Returns dict(loss (B,))."""
+        """Per-sample squared error of the velocity, mean over non-batch axes (minRF). Returns
+        dict(loss (B,))."""
         key_t, key_noise = jax.random.split(key)
         t = self.sample_timesteps(key_t, x0.shape[0])
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
@@ -701,12 +673,14 @@ class RectifiedFlow:
         return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2)}
 
     def sample(self, model_fn, noise, steps: int, method="euler", return_trajectory=False):
-        """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal steps.
-        "euler": one network call per step. "heun": Heun's second-order method (Karras et al. 2022, alg. 1),
-        two calls per step, including the last one, since the velocity stays finite at t = 0.
-        Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with noise) when asked."""
+        """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
+        steps. "euler": one network call per step. "heun": Heun's second-order method (Karras et al.
+        2022, alg. 1), two calls per step, including the last one, since the velocity stays finite
+        at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with
+        noise) when asked."""
         if method not in ("euler", "heun"):
-            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use 'euler' or 'heun'")
+            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use 'euler' or "
+                             f"'heun'")
         if not (isinstance(steps, int) and steps >= 1):
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         times = jnp.linspace(1.0, 0.0, steps + 1)
@@ -728,40 +702,336 @@ class RectifiedFlow:
 
 
 #################################################################################
-#                                  Autoencoder                                  #
+#                              6. The training step                             #
+#################################################################################
+
+def make_objective(name, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
+    """The objective called `name`: "rf", rectified flow with the given timestep distribution, or
+    "ddpm", DiT's DDPM with learned variance, which reproduces the paper exactly."""
+    if name == "ddpm":
+        return GaussianDiffusion()
+    if name == "rf":
+        return RectifiedFlow(timestep_sampling, loc, scale)
+    raise ValueError(f"unknown objective {name!r}; use 'rf' or 'ddpm'")
+
+
+def make_optimizer(lr, warmup=0, grad_clip=0.0):
+    """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4); optional
+    linear warm-up and clipping of the global gradient norm. Returns (optimizer, schedule)."""
+    schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    return (optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip
+            else adamw), schedule
+
+
+def new_train_state(model, tx):
+    """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
+    DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
+    array by its path (params.blocks.0.attn.qkv.kernel, ...)."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
+
+
+def make_train_step(graphdef, objective, tx, ema_decay, seed):
+    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics).
+
+    The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
+    so a resumed run draws exactly what an uninterrupted one would, on any number of devices.
+    """
+    def train_step(state, x, y):  # x (B, H, W, C), y (B,)
+        key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        key_objective, key_drop = jax.random.split(key)
+
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            model_fn = lambda xt, t: model(xt, t, y, drop_key=key_drop)  # noqa: E731
+            return objective.training_losses(model_fn, x, key_objective)["loss"].mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        # DiT keeps an exponential moving average of the weights and samples from it.
+        ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
+        new_state = {"step": state["step"] + 1, "params": params, "ema": ema,
+                     "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return train_step
+
+
+#################################################################################
+#                                  7. Sampling                                  #
+#################################################################################
+
+# The sampler and step count of each objective when the user names none: Euler's method at 50 steps
+# for rectified flow; for DDPM, ancestral sampling at the paper's 250 steps.
+DEFAULT_SAMPLER = {"rf": ("euler", 50), "ddpm": ("ddpm", 250)}
+
+
+def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
+           interval=None, return_trajectory=False):
+    """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
+    guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
+    Pure; jit it."""
+    guided = cfg_scale != 1 and model.cfg.num_classes
+    if guided and not model.cfg.class_dropout_prob:
+        raise ValueError("classifier-free guidance needs the null label, which a model trained "
+                         "without label dropout (class_dropout_prob 0) lacks: sample with "
+                         "cfg_scale 1")
+    if guided:
+        x = jnp.concatenate([noise, noise])
+        y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
+        model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
+            x, t, y2, cfg_scale, guidance_channels, interval)
+    else:
+        x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
+    if isinstance(objective, RectifiedFlow):
+        out = objective.sample(model_fn, x, steps, method, return_trajectory=return_trajectory)
+    else:
+        # DDPM samples on a respaced chain: `steps` evenly spaced timesteps, "ddim<steps>" for DDIM.
+        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps))
+        out = chain.sample(model_fn, x, key, method, return_trajectory=return_trajectory)
+    n = noise.shape[0]
+    return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
+
+
+#################################################################################
+#                                                                               #
+#                              PART II: THE HARNESS                             #
+#                                                                               #
+#################################################################################
+# Everything that connects the core to the world: weight files, the autoencoder, datasets,
+# checkpoints, the training loop over devices and hosts, evaluation, the benchmark, the command
+# line.
+
+#################################################################################
+#                                 8. Weight files                               #
+#################################################################################
+# Official PyTorch checkpoints, read without torch, and safetensors files, read and written without
+# the safetensors package. Both name a parameter as PyTorch does.
+
+
+def flatten(tree):
+    """{'blocks.0.attn.qkv.kernel': leaf, ...}: the arrays of a nested structure under their dotted
+    paths, the one naming of arrays that checkpoints and weight files share."""
+    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def set_params(model, named):
+    """Set every parameter of `model` from {dotted path: array}. The model may be abstract (built by
+    nnx.eval_shape, so that no random initialisation is computed only to be overwritten)."""
+    state = nnx.state(model, nnx.Param)
+    like = nnx.to_pure_dict(state)
+    leaves = [jnp.asarray(named[name], leaf.dtype) for name, leaf in flatten(like).items()]
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(jax.tree.structure(like), leaves))
+    nnx.update(model, state)
+    return model
+
+
+def torch_name(name):
+    """The PyTorch state-dict key of our parameter `name`: 'blocks.0.attn.qkv.kernel' ->
+    'blocks.0.attn.qkv.weight'. nnx.Sequential keeps its layers under 'layers', which PyTorch
+    omits."""
+    parts = [part for part in name.split(".") if part != "layers"]
+    parts[-1] = {"kernel": "weight", "embedding": "weight",
+                 "scale": "weight"}.get(parts[-1], parts[-1])
+    return ".".join(parts)
+
+
+def to_torch_layout(name, value):
+    """Our layout -> PyTorch's for the parameter `name`: linear kernels (in, out) -> (out, in),
+    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in
+    both."""
+    if not name.endswith("kernel"):
+        return value
+    return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
+
+
+def from_torch_layout(name, value):
+    """PyTorch's layout -> ours, the inverse of to_torch_layout."""
+    if not name.endswith("kernel"):
+        return value
+    return value.T if value.ndim == 2 else value.transpose(2, 3, 1, 0)
+
+
+def load_state_dict(model, state_dict, what):
+    """Copy a PyTorch state dict into `model`, checking every key and shape; conversions in
+    to_torch_layout.
+
+    Keys the model lacks, and model parameters the file lacks, are errors that name them: they mean
+    the file holds another architecture. (pos_embed, the fixed table, is recomputed, not loaded.)
+    `what` names the file in messages.
+    """
+    ours = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    names = {torch_name(name): name for name in ours}
+    missing = sorted(set(names) - set(state_dict))
+    if missing:
+        raise ValueError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
+                         f"{missing[:5]}: it holds another architecture or configuration")
+    extra = set(state_dict) - set(names) - {"pos_embed"}
+    if extra:
+        raise ValueError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
+                         f"holds another architecture or configuration")
+    values = {}
+    for key, name in names.items():
+        values[name] = from_torch_layout(name, np.asarray(state_dict[key]))
+        if values[name].shape != ours[name].shape:
+            expected = to_torch_layout(name, np.empty(ours[name].shape)).shape
+            raise ValueError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
+                             f"expects {expected}: the checkpoint is from another model size or "
+                             f"configuration")
+    set_params(model, values)
+
+
+def infer_dit_config(state_dict):
+    """Recover a DiTConfig from the shapes in an official state dict (heads from the official
+    sizes)."""
+    D, C, p, _ = state_dict["x_embedder.proj.weight"].shape
+    T = state_dict["pos_embed"].shape[1]
+    depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
+    heads = {v["hidden_size"]: v["num_heads"] for v in DIT_SIZES.values()}.get(D)
+    if heads is None:
+        raise ValueError(f"hidden size {D} is not one of the official sizes, so the number of "
+                         f"heads is unknown: pass a DiTConfig")
+    out = state_dict["final_layer.linear.weight"].shape[0] // (p * p)
+    table = state_dict.get("y_embedder.embedding_table.weight")
+    return DiTConfig(input_size=math.isqrt(T) * p, patch_size=p, in_channels=C, hidden_size=D,
+                     depth=depth, num_heads=heads, learn_sigma=out == 2 * C,
+                     num_classes=0 if table is None else table.shape[0] - 1)
+
+
+def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
+    """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
+    or a checkpoint of the official train.py, whose EMA weights are taken). torch is not needed: the
+    file is read by fid.load_torch, a restricted unpickler that refuses anything but tensors.
+
+    The configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go
+    to DiT.
+    """
+    state_dict = load_torch(path)
+    if isinstance(state_dict, dict) and "ema" in state_dict:
+        state_dict = state_dict["ema"]
+    if not isinstance(state_dict, dict) or "x_embedder.proj.weight" not in state_dict:
+        raise ValueError(f"{path} is not a DiT state dict (no 'x_embedder.proj.weight')")
+    cfg = cfg or infer_dit_config(state_dict)
+    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    load_state_dict(model, state_dict, path)
+    table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
+    if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
+        raise ValueError(f"{path}: pos_embed differs from the 2-D sin-cos table of a "
+                         f"{cfg.grid}x{cfg.grid} grid")
+    return model
+
+
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+                       "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path):
+    """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
+    mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
+    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32."""
+    def bad(problem):
+        return ValueError(f"{path} is not a readable safetensors file: {problem}. If it was "
+                          f"downloaded, the download may be incomplete; delete it and fetch it "
+                          f"again.")
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < 8:
+        raise bad(f"only {len(blob)} bytes")
+    n = int.from_bytes(blob[:8], "little")
+    if n > len(blob) - 8:
+        raise bad(f"the header claims {n} bytes but the file has {len(blob) - 8} after the length "
+                  f"field")
+    try:
+        header = json.loads(blob[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data = memoryview(blob)[8 + n:]
+    tensors = {}
+    for name, info in header.items():
+        try:
+            dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+            shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"entry {name!r} is malformed or has an unsupported dtype ({e!r})") from None
+        if not 0 <= begin <= end <= len(data):
+            raise bad(f"tensor {name!r} spans bytes {begin}..{end} but the data has {len(data)} "
+                      f"bytes")
+        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {list(shape)} of "
+                      f"{info['dtype']} needs")
+        arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
+        if info["dtype"] == "BF16":  # bfloat16 is the top half of a float32
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
+    return tensors, metadata
+
+
+def write_safetensors(f, tensors, metadata):
+    """Write float32 `tensors` and string `metadata` to the open file f in the .safetensors format
+    that read_safetensors reads."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        nbytes = 4 * int(np.prod(np.shape(t)))
+        header[name] = {"dtype": "F32", "shape": list(np.shape(t)),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for t in tensors.values():
+        f.write(np.ascontiguousarray(t, "<f4").tobytes())
+
+
+#################################################################################
+#                               9. The autoencoder                              #
 #################################################################################
 # DiT never sees pixels at 256x256: it models the 32x32x4 latents of the Stable Diffusion VAE
 # (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse). Below is that
-# autoencoder written layer for layer as diffusers 0.42 builds it (diffusers/models/autoencoders/vae.py,
-# unets/unet_2d_blocks.py, resnet.py, attention_processor.py), in NHWC, with a loader for the released
-# weights that needs neither torch nor the safetensors package.
+# autoencoder written layer for layer as diffusers 0.42 builds it
+# (diffusers/models/autoencoders/vae.py, unets/unet_2d_blocks.py, resnet.py,
+# attention_processor.py), in NHWC, with a loader for the released weights that needs neither torch
+# nor the safetensors package.
 
 
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
-    """The fields of diffusers' AutoencoderKL config.json that shape the network; the defaults are the SD VAE."""
+    """The fields of diffusers' AutoencoderKL config.json that shape the network; the defaults are
+    the SD VAE."""
     in_channels: int = 3
     out_channels: int = 3
     block_out_channels: tuple = (128, 256, 512, 512)
     layers_per_block: int = 2
     norm_num_groups: int = 32
     latent_channels: int = 4
-    scaling_factor: float = 0.18215  # DiT multiplies latents by this so they have roughly unit variance
+    # DiT multiplies latents by this so they have roughly unit variance
+    scaling_factor: float = 0.18215
 
     @classmethod
     def from_json(cls, path):
-        """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are ignored,
-        but options this implementation does not build are refused rather than silently ignored."""
+        """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
+        ignored, but options this implementation does not build are refused rather than silently
+        ignored."""
         with open(path) as f:
             raw = json.load(f)
         if raw.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-            raise ValueError(f"{path}: _class_name is {raw['_class_name']!r}, expected 'AutoencoderKL'")
+            raise ValueError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
+                             f"'AutoencoderKL'")
         required = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
                     "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
         for key, want in required.items():
             if raw.get(key, want) != want:
-                raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as in the SD VAE)")
-        for key, want in (("down_block_types", "DownEncoderBlock2D"), ("up_block_types", "UpDecoderBlock2D")):
+                raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
+                                 f"in the SD VAE)")
+        for key, want in (("down_block_types", "DownEncoderBlock2D"),
+                          ("up_block_types", "UpDecoderBlock2D")):
             if any(t != want for t in raw.get(key, [want])):
                 raise ValueError(f"{path}: {key}={raw[key]} is not supported (only {want})")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -771,19 +1041,23 @@ class VAEConfig:
         return cls(**kw)
 
     def __post_init__(self):
-        if not self.block_out_channels or any(c % self.norm_num_groups for c in self.block_out_channels):
-            raise ValueError(f"block_out_channels {self.block_out_channels} must be non-empty multiples of "
-                             f"norm_num_groups={self.norm_num_groups} (GroupNorm splits the channels into groups)")
+        if (not self.block_out_channels
+                or any(c % self.norm_num_groups for c in self.block_out_channels)):
+            raise ValueError(f"block_out_channels {self.block_out_channels} must be non-empty "
+                             f"multiples of norm_num_groups={self.norm_num_groups} (GroupNorm "
+                             f"splits the channels into groups)")
 
 
 def _group_norm(channels, groups, rngs):
-    # two-pass variance like torch's GroupNorm; the one-pass E[x^2]-E[x]^2 loses digits on large activations
-    return nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, use_fast_variance=False, rngs=rngs)
+    # two-pass variance like torch's GroupNorm; the one-pass E[x^2]-E[x]^2 loses digits on large
+    # activations
+    return nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, use_fast_variance=False,
+                         rngs=rngs)
 
 
 class VAEResnetBlock(nnx.Module):
-    """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1 shortcut
-    when the channel count changes."""
+    """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1
+    shortcut when the channel count changes."""
 
     def __init__(self, cin, cout, groups, *, rngs):
         self.norm1 = _group_norm(cin, groups, rngs)
@@ -801,8 +1075,9 @@ class VAEResnetBlock(nnx.Module):
 
 
 class VAEAttention(nnx.Module):
-    """The mid-block self-attention over all H*W positions: one head as wide as the channels, GroupNorm in
-    front, residual around it (diffusers Attention with AttnProcessor2_0, heads = 1)."""
+    """The mid-block self-attention over all H*W positions: one head as wide as the channels,
+    GroupNorm in front, residual around it (diffusers Attention with AttnProcessor2_0,
+    heads = 1)."""
 
     def __init__(self, channels, groups, *, rngs):
         self.group_norm = _group_norm(channels, groups, rngs)
@@ -815,17 +1090,20 @@ class VAEAttention(nnx.Module):
         B, H, W, C = x.shape
         h = self.group_norm(x).reshape(B, H * W, C)
         q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (B, HW, C) each
-        weights = jax.nn.softmax(jnp.einsum("bqc,bkc->bqk", q, k) / np.sqrt(C), axis=-1)  # (B, HW, HW)
+        weights = jax.nn.softmax(jnp.einsum("bqc,bkc->bqk", q, k) / np.sqrt(C),
+                                 axis=-1)  # (B, HW, HW)
         out = self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v))
         return x + out.reshape(B, H, W, C)
 
 
 class VAEDownsample(nnx.Module):
-    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1) instead of symmetrically, a
-    quirk inherited from the original LDM code; the weights were trained with it."""
+    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1) instead of
+    symmetrically, a quirk inherited from the original LDM code; the weights were trained with
+    it."""
 
     def __init__(self, channels, *, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)), rngs=rngs)
+        self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
+                             rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C)
         return self.conv(x)
@@ -843,11 +1121,13 @@ class VAEUpsample(nnx.Module):
 
 
 class DownEncoderBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv except in the last block. The
-    one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading a name mapping."""
+    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv except in the last
+    block. The one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading
+    a name mapping."""
 
     def __init__(self, cin, cout, n, groups, downsample, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs) for i in range(n)])
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs)
+                                 for i in range(n)])
         self.downsamplers = nnx.List([VAEDownsample(cout, rngs=rngs)] if downsample else [])
 
     def __call__(self, x):
@@ -857,10 +1137,12 @@ class DownEncoderBlock(nnx.Module):
 
 
 class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last block."""
+    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last
+    block."""
 
     def __init__(self, cin, cout, n, groups, upsample, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs) for i in range(n)])
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs)
+                                 for i in range(n)])
         self.upsamplers = nnx.List([VAEUpsample(cout, rngs=rngs)] if upsample else [])
 
     def __call__(self, x):
@@ -873,7 +1155,8 @@ class VAEMidBlock(nnx.Module):
     """diffusers UNetMidBlock2D at the lowest resolution: ResnetBlock, attention, ResnetBlock."""
 
     def __init__(self, channels, groups, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, rngs=rngs) for _ in range(2)])
+        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, rngs=rngs)
+                                 for _ in range(2)])
         self.attentions = nnx.List([VAEAttention(channels, groups, rngs=rngs)])
 
     def __call__(self, x):
@@ -883,14 +1166,15 @@ class VAEMidBlock(nnx.Module):
 
 
 class VAEEncoder(nnx.Module):
-    """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with f = 2**(len(block_out_channels) - 1):
-    every block but the last halves the resolution."""
+    """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with
+    f = 2**(len(block_out_channels) - 1): every block but the last halves the resolution."""
 
     def __init__(self, cfg, *, rngs):
         ch, g = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, rngs=rngs)
         self.down_blocks = nnx.List([
-            DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1, rngs=rngs)
+            DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1,
+                             rngs=rngs)
             for i in range(len(ch))])
         self.mid_block = VAEMidBlock(ch[-1], g, rngs=rngs)
         self.conv_norm_out = _group_norm(ch[-1], g, rngs)
@@ -905,15 +1189,16 @@ class VAEEncoder(nnx.Module):
 
 
 class VAEDecoder(nnx.Module):
-    """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one more
-    ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
+    """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one
+    more ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
 
     def __init__(self, cfg, *, rngs):
         ch, g = cfg.block_out_channels[::-1], cfg.norm_num_groups
         self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, rngs=rngs)
         self.mid_block = VAEMidBlock(ch[0], g, rngs=rngs)
         self.up_blocks = nnx.List([
-            UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1, rngs=rngs)
+            UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1,
+                           rngs=rngs)
             for i in range(len(ch))])
         self.conv_norm_out = _group_norm(ch[-1], g, rngs)
         self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, rngs=rngs)
@@ -926,27 +1211,31 @@ class VAEDecoder(nnx.Module):
 
 
 class AutoencoderKL(nnx.Module):
-    """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar); DiT
-    trains on z = (mean + exp(logvar / 2) * eps) * scaling_factor and samples decode(z / scaling_factor)."""
+    """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar);
+    DiT trains on z = (mean + exp(logvar / 2) * eps) * scaling_factor and samples
+    decode(z / scaling_factor)."""
 
     def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.encoder = VAEEncoder(cfg, rngs=rngs)
         self.decoder = VAEDecoder(cfg, rngs=rngs)
-        self.quant_conv = nnx.Conv(2 * cfg.latent_channels, 2 * cfg.latent_channels, (1, 1), rngs=rngs)
+        self.quant_conv = nnx.Conv(2 * cfg.latent_channels, 2 * cfg.latent_channels, (1, 1),
+                                   rngs=rngs)
         self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1), rngs=rngs)
 
     def _check(self, x, channels, what):
         if x.ndim != 4 or x.shape[-1] != channels:
-            raise ValueError(f"AutoencoderKL.{what} expects NHWC input with {channels} channels, got shape "
-                             f"{tuple(x.shape)}; for NCHW arrays pass x.transpose(0, 2, 3, 1)")
+            raise ValueError(f"AutoencoderKL.{what} expects NHWC input with {channels} channels, "
+                             f"got shape {tuple(x.shape)}; for NCHW arrays pass "
+                             f"x.transpose(0, 2, 3, 1)")
 
     def encode(self, x):
         """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each."""
         self._check(x, self.cfg.in_channels, "encode")
         moments = self.quant_conv(self.encoder(x))
         mean, logvar = jnp.split(moments, 2, axis=-1)
-        return mean, jnp.clip(logvar, -30.0, 20.0)  # the clamp diffusers' DiagonalGaussianDistribution applies
+        # the clamp diffusers' DiagonalGaussianDistribution applies
+        return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, z):
         """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1]."""
@@ -955,63 +1244,21 @@ class AutoencoderKL(nnx.Module):
 
 
 #################################################################################
-#                           Loading the released VAE                            #
+#                          The released VAE's weights                           #
 #################################################################################
 
 SD_VAE_URL = "https://huggingface.co/stabilityai/sd-vae-ft-{}/resolve/main/{}"
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                       "BOOL": np.bool_}
-
-
-def read_safetensors(path):
-    """Read a .safetensors file with numpy: 8-byte little-endian header length, a JSON header mapping each
-    name to {dtype, shape, data_offsets}, then the raw little-endian bytes. BF16 comes back as float32."""
-    def bad(problem):
-        return ValueError(f"{path} is not a readable safetensors file: {problem}. If it was downloaded, the "
-                          f"download may be incomplete; delete it and fetch it again.")
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise bad(f"only {len(blob)} bytes")
-    n = int.from_bytes(blob[:8], "little")
-    if n > len(blob) - 8:
-        raise bad(f"the header claims {n} bytes but the file has {len(blob) - 8} after the length field")
-    try:
-        header = json.loads(blob[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"the header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
-    header.pop("__metadata__", None)
-    data = memoryview(blob)[8 + n:]
-    tensors = {}
-    for name, info in header.items():
-        try:
-            dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
-            shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise bad(f"entry {name!r} is malformed or has an unsupported dtype ({e!r})") from None
-        if not 0 <= begin <= end <= len(data):
-            raise bad(f"tensor {name!r} spans bytes {begin}..{end} but the data has {len(data)} bytes")
-        if end - begin != int(np.prod(shape)) * dtype.itemsize:
-            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {list(shape)} of {info['dtype']} needs")
-        arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-        if info["dtype"] == "BF16":  # bfloat16 is the top half of a float32
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
-    return tensors
 
 
 def vae_torch_names(model):
-    """{diffusers name: (our path, PyTorch shape)} for every parameter of our AutoencoderKL. The module tree
-    mirrors diffusers', so the DiT loader's torch_name and to_torch_layout translate each parameter; only
-    diffusers' to_out, a ModuleList([Linear, Dropout]), adds a level."""
+    """{diffusers name: (our name, PyTorch shape)} for every parameter of our AutoencoderKL. The
+    module tree mirrors diffusers', so the DiT loader's torch_name and to_torch_layout translate
+    each parameter; only diffusers' to_out, a ModuleList([Linear, Dropout]), adds a level."""
     names = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = torch_name(path).replace("to_out.", "to_out.0.")
-        shape = to_torch_layout(path[-1], np.broadcast_to(np.int8(0), var.shape)).shape  # no memory for the shape
-        names[name] = (path, shape)
+    for name, leaf in flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
+        # a broadcast zero has the shape without the memory
+        shape = to_torch_layout(name, np.broadcast_to(np.int8(0), leaf.shape)).shape
+        names[torch_name(name).replace("to_out.", "to_out.0.")] = (name, shape)
     return names
 
 
@@ -1019,94 +1266,107 @@ _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": 
 
 
 def load_vae_weights(model, tensors, source="the weight file"):
-    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, converting layouts.
-    Every parameter must be present and every tensor used; a mismatch names the offending keys."""
+    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, converting
+    layouts. Every parameter must be present and every tensor used; a mismatch names the keys."""
     tensors = {re.sub(r"(attentions\.\d+\.)(query|key|value|proj_attn)\.",
-                      lambda m: m.group(1) + _OLD_ATTENTION[m.group(2)] + ".", k): v for k, v in tensors.items()}
+                      lambda m: m.group(1) + _OLD_ATTENTION[m.group(2)] + ".", k): v
+               for k, v in tensors.items()}
     expected = vae_torch_names(model)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"
-        raise ValueError(f"{source} does not fit the VAE of {model.cfg}: missing keys {show(missing)}, unexpected "
-                         f"keys {show(unexpected)}. Is config.json the one that came with these weights?")
-    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    for name, (path, shape) in expected.items():
-        w = np.asarray(tensors[name], dtype=np.float32)
+        show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
+        raise ValueError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
+                         f"{show(missing)}, unexpected keys {show(unexpected)}. Is config.json the "
+                         f"one that came with these weights?")
+    values = {}
+    for key, (name, shape) in expected.items():
+        w = np.asarray(tensors[key], dtype=np.float32)
         if w.ndim == 4 and len(shape) == 2 and w.shape[2:] == (1, 1):
             w = w[:, :, 0, 0]  # old checkpoints stored the attention projections as 1x1 convs
         if w.shape != shape:
-            raise ValueError(f"{source}: {name} has shape {list(w.shape)}, the model expects {list(shape)}")
-        params[path].set_value(jnp.asarray(from_torch_layout(path[-1], w)))  # the model may be abstract (eval_shape)
-    return model
+            raise ValueError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
+                             f"{list(shape)}")
+        values[name] = from_torch_layout(name, w)
+    return set_params(model, values)
 
 
 def load_vae(source="ema", cache_dir=None):
-    """Build the AutoencoderKL with released weights. `source`: "ema" or "mse" (stabilityai/sd-vae-ft-ema
-    or -mse, downloaded into `cache_dir`, default $DIT_CACHE or ~/.cache/dit-jax, when missing), a diffusers
-    folder (config.json + diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside
-    it is used when present, else the SD VAE's configuration)."""
+    """Build the AutoencoderKL with released weights. `source`: "ema" or "mse"
+    (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default $DIT_CACHE or
+    ~/.cache/dit-jax, when missing), a diffusers folder (config.json +
+    diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
+    when present, else the SD VAE's configuration)."""
     if source in ("ema", "mse"):
         cache_dir = cache_dir or fid.default_cache_dir()
         folder = os.path.join(cache_dir, f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
-            dest = os.path.join(folder, fname)
+            dest, url = os.path.join(folder, fname), SD_VAE_URL.format(source, fname)
             if not os.path.exists(dest):
                 try:
-                    fid.download(SD_VAE_URL.format(source, fname), dest)
+                    fid.download(url, dest)
                 except OSError as e:  # fid.download's FileNotFoundError, with the cause
                     raise RuntimeError(
-                        f"cannot download {SD_VAE_URL.format(source, fname)} ({e}). Download config.json and "
-                        f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by hand into "
-                        f"{folder}, or pass the folder or weight file as the VAE source.") from None
+                        f"cannot download {url} ({e}). Download config.json and "
+                        f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by "
+                        f"hand into {folder}, or pass the folder or weight file as the VAE source."
+                    ) from None
         source = folder
     if os.path.isdir(source):
-        candidates = [os.path.join(source, f"diffusion_pytorch_model.{ext}") for ext in ("safetensors", "bin")]
+        candidates = [os.path.join(source, f"diffusion_pytorch_model.{ext}")
+                      for ext in ("safetensors", "bin")]
         found = [p for p in candidates if os.path.exists(p)]
         if not found:
-            raise FileNotFoundError(f"{source} holds neither diffusion_pytorch_model.safetensors nor .bin; "
-                                    f"put the VAE weights there or pass the weight file itself")
+            raise FileNotFoundError(f"{source} holds neither diffusion_pytorch_model.safetensors "
+                                    f"nor .bin; put the VAE weights there or pass the weight file "
+                                    f"itself")
         weights, folder = found[0], source
     elif os.path.isfile(source):
         weights, folder = source, os.path.dirname(source)
     else:
-        raise FileNotFoundError(f"VAE source {source!r} is not 'ema', 'mse', an existing folder or a weight file")
+        raise FileNotFoundError(f"VAE source {source!r} is not 'ema', 'mse', an existing folder or "
+                                f"a weight file")
     config_path = os.path.join(folder, "config.json")
     cfg = VAEConfig.from_json(config_path) if os.path.exists(config_path) else VAEConfig()
     if weights.endswith(".safetensors"):
-        tensors = read_safetensors(weights)
+        tensors, _ = read_safetensors(weights)
     else:
         tensors = load_torch(weights)
-        if not (isinstance(tensors, dict) and all(isinstance(v, np.ndarray) for v in tensors.values())):
-            raise ValueError(f"{weights} does not hold a plain state dict of tensors, as diffusers saves it")
-    # build without random initialisation: every parameter is overwritten by the file anyway
+        if not (isinstance(tensors, dict)
+                and all(isinstance(v, np.ndarray) for v in tensors.values())):
+            raise ValueError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
+                             f"saves it")
     model = nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0)))
     return load_vae_weights(model, tensors, source=weights)
 
 
 #################################################################################
-#                                     Data                                      #
+#                                    10. Data                                   #
 #################################################################################
 
 
 @dataclasses.dataclass
 class Dataset:
     """A whole training set held in (or memory-mapped from) host memory, in one of two forms:
-    pixels, uint8 (N, H, W, C), or VAE latents as prepare_imagenet100.py writes them, float16 (N, 2, h, w, 2*C):
-    axis 1 is [image, its horizontal flip], the last axis [posterior mean (C), posterior std (C)] in the raw
-    latent space; the Loader draws z = (mean + std * eps) * latent_scale afresh each time, as DiT's train.py does."""
+    pixels, uint8 (N, H, W, C), or VAE latents as prepare_imagenet100.py writes them,
+    float16 (N, 2, h, w, 2*C): axis 1 is [image, its horizontal flip], the last axis
+    [posterior mean (C), posterior std (C)] in the raw latent space; the Loader draws
+    z = (mean + std * eps) * latent_scale afresh each time, as DiT's train.py does."""
     name: str
     x: np.ndarray
     labels: np.ndarray | None  # int (N,); None for unconditional data
     num_classes: int  # 0 when unconditional
     class_names: list[str]
     latent_scale: float | None = None  # the VAE's scaling factor for latent data, None for pixels
-    flip: bool = True  # random horizontal flips in training; off for data that is not mirror-symmetric (digits)
+    # random horizontal flips in training; off for data that is not mirror-symmetric (digits)
+    flip: bool = True
 
     def __post_init__(self):
         if self.labels is not None and len(self.labels) != len(self.x):
-            raise ValueError(f"dataset {self.name!r} has {len(self.x)} samples but {len(self.labels)} labels")
+            raise ValueError(f"dataset {self.name!r} has {len(self.x)} samples but "
+                             f"{len(self.labels)} labels")
         if len(self.class_names) != self.num_classes:
-            raise ValueError(f"dataset {self.name!r} has {self.num_classes} classes but {len(self.class_names)} names")
+            raise ValueError(f"dataset {self.name!r} has {self.num_classes} classes but "
+                             f"{len(self.class_names)} names")
 
     def __len__(self):
         return len(self.x)
@@ -1117,7 +1377,8 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        """(H, W, C) of one model input: the image itself, or one sampled latent (half the stored channels)."""
+        """(H, W, C) of one model input: the image itself, or one sampled latent (half the stored
+        channels)."""
         if self.is_latent:
             _, _, h, w, c2 = self.x.shape
             return (h, w, c2 // 2)
@@ -1131,8 +1392,9 @@ def default_data_dir(name: str) -> str:
 
 def _check_resolution(name: str, native: int, resolution: int | None):
     if resolution not in (None, native):
-        raise ValueError(f"{name} images are {native}x{native} and train at that size; leave the resolution unset, "
-                         f"or export the images to a folder and use the 'folder' dataset to resize them")
+        raise ValueError(f"{name} images are {native}x{native} and train at that size; leave the "
+                         f"resolution unset, or export the images to a folder and use the 'folder' "
+                         f"dataset to resize them")
 
 
 #################################################################################
@@ -1146,32 +1408,37 @@ _MNIST_MD5 = {  # published with the mirror (torchvision's datasets/mnist.py lis
     "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
     "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
 }
-# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the page)
+# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the
+# page)
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
 def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of dimensions,
-    one big-endian uint32 per dimension, then the elements in C order."""
+    """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
+    dimensions, one big-endian uint32 per dimension, then the elements in C order."""
     with open(path, "rb") as f:
         raw = f.read()
     if raw[:2] == b"\x1f\x8b":  # the gzip magic, whatever the file is called
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
-            raise ValueError(f"{path}: damaged gzip data ({e}); delete it and download it again") from e
+            raise ValueError(f"{path}: damaged gzip data ({e}); delete it and download it "
+                             f"again") from e
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file: it starts with bytes {raw[:4].hex()}, an IDX file with "
-                         f"00 00, a type code and the number of dimensions. Delete it and download it again.")
+        raise ValueError(f"{path} is not an IDX file: it starts with bytes {raw[:4].hex()}, an IDX "
+                         f"file with 00 00, a type code and the number of dimensions. Delete it "
+                         f"and download it again.")
     ndim, header = raw[3], 4 + 4 * raw[3]
     if len(raw) < header:
-        raise ValueError(f"{path}: the IDX header is cut short; delete the file and download it again")
+        raise ValueError(f"{path}: the IDX header is cut short; delete the file and download it "
+                         f"again")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     expected = header + int(np.prod(shape)) * dtype.itemsize
     if len(raw) != expected:
-        raise ValueError(f"{path}: its header announces shape {shape} ({expected} bytes) but the file holds "
-                         f"{len(raw)} bytes; it is truncated or damaged. Delete it and download it again.")
+        raise ValueError(f"{path}: its header announces shape {shape} ({expected} bytes) but the "
+                         f"file holds {len(raw)} bytes; it is truncated or damaged. Delete it and "
+                         f"download it again.")
     return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -1183,7 +1450,8 @@ def _find_idx(data_dir: str, stem: str) -> str | None:
 
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files; the 10,000 test digits stand in for the training set when only they are there."""
+    """The official MNIST IDX files; the 10,000 test digits stand in for the training set when only
+    they are there."""
     images = _find_idx(data_dir, "train-images-idx3-ubyte")
     labels = _find_idx(data_dir, "train-labels-idx1-ubyte")
     if not (images and labels):
@@ -1194,17 +1462,21 @@ def _load_mnist(data_dir: str) -> Dataset:
             images, labels = test_images, test_labels
         else:
             for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-                fid.download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name], "md5")
+                fid.download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name],
+                             "md5")
             images = os.path.join(data_dir, "train-images-idx3-ubyte.gz")
             labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
     x, y = read_idx(images), read_idx(labels)
     if x.ndim != 3 or x.dtype != np.uint8:
-        raise ValueError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a labels file?")
+        raise ValueError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a "
+                         f"labels file?")
     if y.ndim != 1 or y.dtype != np.uint8 or (y.size and y.max() > 9):
         raise ValueError(f"{labels} holds {y.dtype} {y.shape}, not uint8 (N,) digit labels 0-9")
     if len(x) != len(y):
-        raise ValueError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are they a pair?")
-    return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)], flip=False)
+        raise ValueError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are "
+                         f"they a pair?")
+    return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)],
+                   flip=False)
 
 
 #################################################################################
@@ -1214,10 +1486,11 @@ def _load_mnist(data_dir: str) -> Dataset:
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
-# The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these globals.
-# Nothing else may be called while unpickling, so a tampered archive cannot run code.
+# The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
+# globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
 _CIFAR_PICKLE_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"): np.empty(0).__reduce__()[0],  # numpy's own array rebuilder
+    # numpy's own array rebuilder
+    ("numpy.core.multiarray", "_reconstruct"): np.empty(0).__reduce__()[0],
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
 }
@@ -1225,7 +1498,8 @@ _CIFAR_PICKLE_GLOBALS = {
 
 def _unpickle_cifar(f, where: str) -> dict:
     try:
-        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as bytes
+        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
+        # bytes
         obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
     except (pickle.UnpicklingError, EOFError, ValueError) as e:
         e.add_note(f"while reading {where}")
@@ -1236,15 +1510,17 @@ def _unpickle_cifar(f, where: str) -> dict:
 
 
 def _cifar_pickles(data_dir: str) -> dict[str, dict]:
-    """The five training batches and batches.meta, from the extracted cifar-10-batches-py/ when present, otherwise
-    from cifar-10-python.tar.gz (read in one pass, without extracting), downloaded first if missing."""
+    """The five training batches and batches.meta, from the extracted cifar-10-batches-py/ when
+    present, otherwise from cifar-10-python.tar.gz (read in one pass, without extracting),
+    downloaded first if missing."""
     for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(folder, "data_batch_1")):
             found = {}
             for name in _CIFAR_FILES:
                 path = os.path.join(folder, name)
                 if not os.path.exists(path):
-                    raise FileNotFoundError(f"{folder} lacks {name}; extract cifar-10-python.tar.gz again")
+                    raise FileNotFoundError(f"{folder} lacks {name}; extract "
+                                            f"cifar-10-python.tar.gz again")
                 with open(path, "rb") as f:
                     found[name] = _unpickle_cifar(f, path)
             return found
@@ -1254,16 +1530,18 @@ def _cifar_pickles(data_dir: str) -> dict[str, dict]:
     found = {}
     try:
         with tarfile.open(archive, "r:gz") as tar:
-            for member in tar:  # in archive order: seeking back in a gzip stream would decompress it again
+            # in archive order: seeking back in a gzip stream would decompress it again
+            for member in tar:
                 name = os.path.basename(member.name)
                 if member.isfile() and name in _CIFAR_FILES:
-                    found[name] = _unpickle_cifar(tar.extractfile(member), f"{archive}:{member.name}")
+                    found[name] = _unpickle_cifar(tar.extractfile(member),
+                                                  f"{archive}:{member.name}")
     except (tarfile.TarError, EOFError, zlib.error) as e:
         raise ValueError(f"{archive} is damaged ({e}); delete it and download it again") from e
     missing = [name for name in _CIFAR_FILES if name not in found]
     if missing:
-        raise ValueError(f"{archive} lacks {', '.join(missing)}; is it the python version of CIFAR-10 "
-                         f"({_CIFAR_URL})?")
+        raise ValueError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
+                         f"CIFAR-10 ({_CIFAR_URL})?")
     return found
 
 
@@ -1274,17 +1552,23 @@ def _load_cifar10(data_dir: str) -> Dataset:
     for name in _CIFAR_FILES[:5]:
         batch = found[name]
         data, labels = batch.get("data"), np.asarray(batch.get("labels", []))
-        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-            raise ValueError(f"{name} has no uint8 (n, 3072) 'data' array; is this the python version of CIFAR-10?")
-        if labels.shape != (len(data),) or (labels.size and not 0 <= labels.min() <= labels.max() <= 9):
-            raise ValueError(f"{name} has {len(data)} images but its labels are not {len(data)} classes in 0-9")
-        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))  # rows are channel-major: (n, C, H, W) -> NHWC
+        if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
+                or data.shape[1] != 3072):
+            raise ValueError(f"{name} has no uint8 (n, 3072) 'data' array; is this the python "
+                             f"version of CIFAR-10?")
+        if (labels.shape != (len(data),)
+                or (labels.size and not 0 <= labels.min() <= labels.max() <= 9)):
+            raise ValueError(f"{name} has {len(data)} images but its labels are not {len(data)} "
+                             f"classes in 0-9")
+        # rows are channel-major: (n, C, H, W) -> NHWC
+        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
         ys.append(labels)
-    names = [n.decode() if isinstance(n, bytes) else n for n in found["batches.meta"].get("label_names", [])]
+    names = [n.decode() if isinstance(n, bytes) else n
+             for n in found["batches.meta"].get("label_names", [])]
     if len(names) != 10:
         raise ValueError(f"batches.meta names {len(names)} classes, CIFAR-10 has 10")
-    return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys).astype(np.int64), 10,
-                   names)
+    return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)),
+                   np.concatenate(ys).astype(np.int64), 10, names)
 
 
 #################################################################################
@@ -1292,9 +1576,10 @@ def _load_cifar10(data_dir: str) -> Dataset:
 #################################################################################
 
 def center_crop_arr(pil_image, image_size):
-    """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve with a
-    BOX filter while the short side is at least twice the target (cheap and alias-free), BICUBIC-resize so
-    the short side equals image_size, then cut the central square. Returns uint8 (S, S, 3)."""
+    """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
+    with a BOX filter while the short side is at least twice the target (cheap and alias-free),
+    BICUBIC-resize so the short side equals image_size, then cut the central square. Returns uint8
+    (S, S, 3)."""
     if not (isinstance(image_size, (int, np.integer)) and image_size > 0):
         raise ValueError(f"image_size must be a positive int, got {image_size!r}")
     # DiT's ImageFolder loader converts to RGB before cropping; doing it first also keeps PIL from
@@ -1304,7 +1589,8 @@ def center_crop_arr(pil_image, image_size):
     while min(*pil_image.size) >= 2 * image_size:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
     scale = image_size / min(*pil_image.size)
-    pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
+    pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size),
+                                 resample=Image.BICUBIC)
     arr = np.asarray(pil_image)  # (H, W, 3), short side == image_size
     top = (arr.shape[0] - image_size) // 2
     left = (arr.shape[1] - image_size) // 2
@@ -1316,20 +1602,23 @@ def _is_image(path: str) -> bool:
 
 
 def load_image(path, size=None):
-    """Decode any file PIL understands (the format is read from the content, so a PNG named .JPEG works), as
-    RGB, centre-cropped to size x size when a size is given. Returns (uint8 (H, W, 3), None), or (None, reason)
-    for a broken file, so that one bad image is reported rather than fatal (here and in prepare_imagenet100.py)."""
+    """Decode any file PIL understands (the format is read from the content, so a PNG named .JPEG
+    works), as RGB, centre-cropped to size x size when a size is given.
+    Returns (uint8 (H, W, 3), None), or (None, reason) for a broken file, so that one bad image is
+    reported rather than fatal (here and in prepare_imagenet100.py)."""
     try:
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not halfway through the crop
             return (center_crop_arr(img, size) if size else np.asarray(img.convert("RGB"))), None
-    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is recorded as the reason
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is
+        # recorded as the reason
         return None, f"{type(e).__name__}: {e}"
 
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
-    """Every image under data_dir: one sub-folder per class (labels follow the sorted folder names), or the images
-    directly in data_dir for unconditional training. Centre-cropped as ADM/DiT do when a resolution is given."""
+    """Every image under data_dir: one sub-folder per class (labels follow the sorted folder names),
+    or the images directly in data_dir for unconditional training. Centre-cropped as ADM/DiT do when
+    a resolution is given."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"image folder {data_dir} does not exist")
     entries = sorted(e for e in os.listdir(data_dir) if not e.startswith("."))
@@ -1338,39 +1627,43 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     if class_names:
         files, labels = [], []
         for label, name in enumerate(class_names):
-            found = sorted(os.path.join(root, f) for root, _, names in os.walk(os.path.join(data_dir, name))
+            found = sorted(os.path.join(root, f)
+                           for root, _, names in os.walk(os.path.join(data_dir, name))
                            for f in names if _is_image(os.path.join(root, f)))
             if not found:
-                warnings.warn(f"class folder {os.path.join(data_dir, name)} holds no images; class {label} "
-                              f"({name!r}) will have no training samples")
+                warnings.warn(f"class folder {os.path.join(data_dir, name)} holds no images; class "
+                              f"{label} ({name!r}) will have no training samples")
             files += found
             labels += [label] * len(found)
         if loose:
-            warnings.warn(f"{len(loose)} images directly in {data_dir} are ignored: with class sub-folders, "
-                          f"every image must be in one of them")
+            warnings.warn(f"{len(loose)} images directly in {data_dir} are ignored: with class "
+                          f"sub-folders, every image must be in one of them")
     else:
         files, labels = loose, None
     if not files:
-        raise ValueError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither directly nor in "
-                         f"class sub-folders")
+        raise ValueError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither "
+                         f"directly nor in class sub-folders")
 
     x, kept, broken = None, [], []
     pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))  # PIL releases the GIL while decoding
     try:
         decoded = pool.map(lambda path: load_image(path, resolution), files)
-        for i, (arr, problem) in enumerate(tqdm(decoded, total=len(files), desc=f"decoding {data_dir}")):
+        for i, (arr, problem) in enumerate(tqdm(decoded, total=len(files),
+                                                desc=f"decoding {data_dir}")):
             if problem:
                 broken.append(f"{files[i]} ({problem})")
                 continue
             if x is None:
                 if arr.shape[0] != arr.shape[1]:
-                    raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; pass a resolution "
-                                     f"(--resolution) to centre-crop every image to that size")
+                    raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; "
+                                     f"pass a resolution (--resolution) to centre-crop every image "
+                                     f"to that size")
                 x = np.empty((len(files),) + arr.shape, np.uint8)  # (N, H, W, 3)
             elif arr.shape != x.shape[1:]:
-                raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but {files[kept[0]]} is "
-                                 f"{x.shape[2]}x{x.shape[1]}; pass a resolution (--resolution) to centre-crop every "
-                                 f"image to one size")
+                raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but "
+                                 f"{files[kept[0]]} is {x.shape[2]}x{x.shape[1]}; pass a "
+                                 f"resolution (--resolution) to centre-crop every image to one "
+                                 f"size")
             x[len(kept)] = arr
             kept.append(i)
     finally:  # on an error, do not decode the rest of a large folder first
@@ -1389,51 +1682,58 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
 #################################################################################
 
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
-    """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with --pixels R),
-    memory-mapped so that the whole set never has to fit in host memory."""
-    hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 download first "
-            f"(add --pixels 64 for pixel-space training), or pass --data-dir with the folder it wrote")
+    """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with
+    --pixels R), memory-mapped so that the whole set never has to fit in host memory."""
+    hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
+            f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
+            f"the folder it wrote")
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"no prepared ImageNet-100 at {data_dir}: {hint}")
     path = lambda name: os.path.join(data_dir, name)  # noqa: E731
-    missing = [n for n in ("labels.npy", "classes.json", "manifest.json") if not os.path.exists(path(n))]
-    has_latents, has_images = os.path.exists(path("latents.npy")), os.path.exists(path("images.npy"))
+    missing = [n for n in ("labels.npy", "classes.json", "manifest.json")
+               if not os.path.exists(path(n))]
+    has_latents, has_images = (os.path.exists(path("latents.npy")),
+                               os.path.exists(path("images.npy")))
     if not (has_latents or has_images):
         missing.insert(0, "latents.npy (or images.npy)")
     if missing:
         raise FileNotFoundError(f"{data_dir} lacks {', '.join(missing)}: {hint}")
     if has_latents and has_images:
-        raise ValueError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and pixels into "
-                         f"separate folders")
+        raise ValueError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and "
+                         f"pixels into separate folders")
     with open(path("manifest.json")) as f:
         manifest = json.load(f)
     if manifest.get("complete") is False:
-        raise ValueError(f"the preparation of {data_dir} did not finish; run prepare_imagenet100.py again with the "
-                         f"same arguments to complete it")
+        raise ValueError(f"the preparation of {data_dir} did not finish; run "
+                         f"prepare_imagenet100.py again with the same arguments to complete it")
     with open(path("classes.json")) as f:
         class_names = [c["name"] for c in json.load(f)]
     labels = np.load(path("labels.npy"))
     if has_latents:
         x = np.load(path("latents.npy"), mmap_mode="r")
         if x.dtype != np.float16 or x.ndim != 5 or x.shape[1] != 2 or x.shape[-1] % 2:
-            raise ValueError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 (N, 2, h, w, 2*C); "
-                             f"prepare it again with prepare_imagenet100.py")
+            raise ValueError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 "
+                             f"(N, 2, h, w, 2*C); prepare it again with prepare_imagenet100.py")
         if "scaling_factor" not in manifest:
-            raise ValueError(f"{path('manifest.json')} lacks the VAE's scaling_factor; prepare the data again")
+            raise ValueError(f"{path('manifest.json')} lacks the VAE's scaling_factor; prepare the "
+                             f"data again")
         latent_scale, stored = float(manifest["scaling_factor"]), manifest.get("resolution")
     else:
         x = np.load(path("images.npy"), mmap_mode="r")
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
-            raise ValueError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 (N, R, R, 3); "
-                             f"prepare it again with prepare_imagenet100.py --pixels R")
+            raise ValueError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 "
+                             f"(N, R, R, 3); prepare it again with prepare_imagenet100.py "
+                             f"--pixels R")
         latent_scale, stored = None, x.shape[1]
     if resolution is not None and stored is not None and resolution != stored:
-        raise ValueError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; leave the resolution "
-                         f"unset or prepare the data again at {resolution}")
-    if labels.shape != (len(x),) or (labels.size and not 0 <= labels.min() <= labels.max() < len(class_names)):
-        raise ValueError(f"{path('labels.npy')} does not hold {len(x)} labels in 0-{len(class_names) - 1}; "
-                         f"prepare the data again")
-    return Dataset("imagenet100", x, labels.astype(np.int64), len(class_names), class_names, latent_scale)
+        raise ValueError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; leave "
+                         f"the resolution unset or prepare the data again at {resolution}")
+    if (labels.shape != (len(x),)
+            or (labels.size and not 0 <= labels.min() <= labels.max() < len(class_names))):
+        raise ValueError(f"{path('labels.npy')} does not hold {len(x)} labels in "
+                         f"0-{len(class_names) - 1}; prepare the data again")
+    return Dataset("imagenet100", x, labels.astype(np.int64), len(class_names), class_names,
+                   latent_scale)
 
 
 #################################################################################
@@ -1441,12 +1741,13 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
 #################################################################################
 
 def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
-    """Load one of mnist, cifar10, folder or imagenet100. data_dir defaults to default_data_dir(name) (required for
-    'folder'); resolution crops a folder's images and must match what the other datasets hold."""
+    """Load one of mnist, cifar10, folder or imagenet100. data_dir defaults to
+    default_data_dir(name) (required for 'folder'); resolution crops a folder's images and must
+    match what the other datasets hold."""
     if name == "folder":
         if data_dir is None:
-            raise ValueError("the 'folder' dataset needs a data_dir (--data-dir): a folder of images, with one "
-                             "sub-folder per class or none")
+            raise ValueError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
+                             "images, with one sub-folder per class or none")
         return _load_folder(data_dir, resolution)
     data_dir = data_dir or default_data_dir(name)
     if name == "mnist":
@@ -1465,32 +1766,38 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
 #################################################################################
 
 class Loader:
-    """Endless stream of this process's share of each global batch, computed ahead by background threads.
+    """Endless stream of this process's share of each global batch, computed ahead by background
+    threads.
 
     Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch is shuffled by
-    default_rng((seed, e)), and the random choices of step s (flips, latent noise) come from default_rng((seed, s, 1))
-    drawn for the whole global batch before this process takes its slice. So a run resumed at any step sees exactly
-    the batches it would have seen, k processes together see what one process would, and batches can be computed
-    in parallel without changing the stream."""
+    default_rng((seed, e)), and the random choices of step s (flips, latent noise) come from
+    default_rng((seed, s, 1)) drawn for the whole global batch before this process takes its slice.
+    So a run resumed at any step sees exactly the batches it would have seen, k processes together
+    see what one process would, and batches can be computed in parallel without changing the
+    stream."""
 
     def __init__(self, ds: Dataset, global_batch: int, seed: int, start_step: int = 0,
                  process_index: int = 0, process_count: int = 1, prefetch: int = 2):
         if not 0 < global_batch <= len(ds):
-            raise ValueError(f"global batch {global_batch} must be between 1 and the dataset size ({len(ds)})")
+            raise ValueError(f"global batch {global_batch} must be between 1 and the dataset size "
+                             f"({len(ds)})")
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"process {process_index} of {process_count} does not exist")
         if global_batch % process_count:
-            raise ValueError(f"global batch {global_batch} does not split evenly over {process_count} processes; "
-                             f"make it a multiple of {process_count}")
+            raise ValueError(f"global batch {global_batch} does not split evenly over "
+                             f"{process_count} processes; make it a multiple of {process_count}")
         if seed < 0 or start_step < 0 or prefetch < 1:
-            raise ValueError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, {start_step} and "
-                             f"{prefetch}")
+            raise ValueError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
+                             f"{start_step} and {prefetch}")
         self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
         self.local_batch = global_batch // process_count
-        self.local_slice = slice(process_index * self.local_batch, (process_index + 1) * self.local_batch)
-        self.steps_per_epoch = len(ds) // global_batch  # the last partial batch of each epoch is dropped
+        self.local_slice = slice(process_index * self.local_batch,
+                                 (process_index + 1) * self.local_batch)
+        # the last partial batch of each epoch is dropped
+        self.steps_per_epoch = len(ds) // global_batch
         self.prefetch = prefetch
-        self._perm = (None, None)  # (epoch, its permutation), replaced as one tuple so threads never see a mix
+        # (epoch, its permutation), replaced as one tuple so threads never see a mix
+        self._perm = (None, None)
         self._pool, self._closed = None, False
 
     def indices(self, step: int) -> np.ndarray:
@@ -1503,14 +1810,15 @@ class Loader:
         return perm[position * self.global_batch:(position + 1) * self.global_batch]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """This process's (x, y) of one step: x float32 (B, H, W, C), pixels in [-1, 1] or scaled latents;
-        y int32 (B,), zeros for unconditional data."""
+        """This process's (x, y) of one step: x float32 (B, H, W, C), pixels in [-1, 1] or scaled
+        latents; y int32 (B,), zeros for unconditional data."""
         ds, G, local = self.ds, self.global_batch, self.local_slice
         idx = self.indices(step)[local]
         rng = np.random.default_rng((self.seed, step, 1))
         if ds.is_latent:
             h, w, c = ds.input_shape
-            which = rng.integers(0, 2, G) if ds.flip else np.zeros(G, np.int64)  # 0: the image, 1: its flip
+            # 0: the image, 1: its flip
+            which = rng.integers(0, 2, G) if ds.flip else np.zeros(G, np.int64)
             eps = rng.standard_normal((G, h, w, c), dtype=np.float32)
             stats = np.asarray(ds.x[idx, which[local]], np.float32)  # (B, h, w, 2C)
             x = (stats[..., :c] + stats[..., c:] * eps[local]) * np.float32(ds.latent_scale)
@@ -1519,26 +1827,31 @@ class Loader:
             if ds.flip:
                 flip = (rng.random(G) < 0.5)[local]
                 x[flip] = x[flip, :, ::-1]
-        y = np.zeros(len(idx), np.int32) if ds.labels is None else np.asarray(ds.labels[idx], np.int32)
+        y = (np.zeros(len(idx), np.int32) if ds.labels is None
+             else np.asarray(ds.labels[idx], np.int32))
         return x, y
 
     def __iter__(self):
         if self._pool is not None:
-            raise RuntimeError("a Loader can be iterated only once; make a new one (with start_step) to restart")
-        # `prefetch` threads each compute one of the next batches; numpy's random fills, casts and arithmetic
-        # release the GIL, so they run in parallel with each other and with the training step
+            raise RuntimeError("a Loader can be iterated only once; make a new one (with "
+                               "start_step) to restart")
+        # `prefetch` threads each compute one of the next batches; numpy's random fills, casts and
+        # arithmetic release the GIL, so they run in parallel with each other and with the training
+        # step
         self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="dit-data")
         steps = itertools.count(self.start_step)
         pending = deque(self._pool.submit(self.batch, next(steps)) for _ in range(self.prefetch))
         while True:
             if self._closed:
-                raise RuntimeError("the data loader was closed; make a new one (with start_step) to go on")
+                raise RuntimeError("the data loader was closed; make a new one (with start_step) "
+                                   "to go on")
             item = pending.popleft().result()  # re-raises here whatever went wrong in the thread
             pending.append(self._pool.submit(self.batch, next(steps)))
             yield item
 
     def close(self):
-        """Stop the background threads: batches not started are dropped, the ones under way finish first."""
+        """Stop the background threads: batches not started are dropped, the ones under way finish
+        first."""
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -1551,105 +1864,13 @@ class Loader:
 
 
 #################################################################################
-#                                    Training                                   #
 #################################################################################
-
-def make_objective(objective, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
-    """Rectified flow (the default) or DiT's DDPM (`ddpm`, for exact reproduction of the paper)."""
-    if objective == "ddpm":
-        return GaussianDiffusion()
-    if objective == "rf":
-        return RectifiedFlow(timestep_sampling, loc, scale)
-    raise ValueError(f"unknown objective {objective!r}; use 'rf' or 'ddpm'")
-
-
-def make_optimizer(lr, warmup=0, grad_clip=0.0):
-    """DiT's recipe: AdamW at a constant 1e-4 with no weight decay; optional linear warm-up and clipping."""
-    schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
-    adamw = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
-    return (optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip else adamw), schedule
-
-
-def make_mesh():
-    """A 1-D mesh over every device of every host, axis "data". Auto axes: jit's partitioner decides how
-    each intermediate is laid out from the shardings of the inputs and outputs."""
-    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def fsdp_spec(shape, n):
-    """Shard an array over the mesh's one axis along its largest dimension that n devices divide
-    (FSDP / ZeRO-3 style); replicate it when none does (biases of odd size, scalars)."""
-    dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n), key=lambda d: -shape[d])
-    if not dims:
-        return P()
-    return P(*[("data" if d == dims[0] else None) for d in range(len(shape))])
-
-
-def state_shardings(abstract_state, mesh, fsdp):
-    """Data parallel: every device holds the whole state. FSDP: parameters, EMA and Adam moments are
-    split over the devices, and jit's partitioner gathers each layer's weights when it needs them."""
-    n = mesh.devices.size
-    return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_spec(a.shape, n) if fsdp else P()), abstract_state)
-
-
-def make_train_step(graphdef, objective, tx, ema_decay, seed):
-    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics).
-
-    The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s), so a
-    resumed run draws exactly what an uninterrupted one would, on any number of devices.
-    """
-    def train_step(state, x, y):
-        key = jax.random.fold_in(jax.random.key(seed), state["step"])
-        key_objective, key_drop = jax.random.split(key)
-
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params)
-            losses = objective.training_losses(lambda xt, t: model(xt, t, y, drop_key=key_drop), x, key_objective)
-            return losses["loss"].mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        # DiT keeps an exponential moving average of the weights and samples from it.
-        ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
-        new_state = {"step": state["step"] + 1, "params": params, "ema": ema, "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    return train_step
-
-
-def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
-    """Model, EMA (a copy of the initial model, as in DiT) and optimizer state, created directly in
-    their shardings so that a model too large for one device is never whole on one; or, given a
-    checkpoint path, read from it (without initialising first, which would need memory twice)."""
-    def init():
-        # Plain nested dicts of arrays: checkpoints then name each array by its path (blocks.0.attn...).
-        params = nnx.to_pure_dict(nnx.state(DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed)), nnx.Param))
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
-
-    abstract = jax.eval_shape(init)
-    shardings = state_shardings(abstract, mesh, fsdp)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))))
-    if checkpoint:
-        state = restore_state(read_checkpoint(checkpoint)[1], abstract, shardings, checkpoint)
-    else:
-        state = jax.jit(init, out_shardings=shardings)()
-    return graphdef, state, shardings
-
-
+#                                11. Checkpoints                                #
 #################################################################################
-#                                  Checkpoints                                  #
-#################################################################################
-
-def flatten(tree):
-    """{'params.blocks.0.attn.qkv.kernel': leaf, ...}: the state as named arrays for an .npz file."""
-    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
 
 def to_host(x):
-    """A global array as one numpy array on this host, gathered from the other hosts when it is spread."""
+    """A global array as one numpy array on this host, gathered from the other hosts when it is
+    spread over them."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -1673,21 +1894,23 @@ def write_atomically(path, write):
 
 def save_checkpoint(run_dir, state, meta, keep):
     """Save the whole training state as checkpoints/step_XXXXXXX.npz and keep the newest `keep`."""
-    arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}  # every process joins the gather
+    # every process joins the gather; process 0 alone writes
+    arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}
     if jax.process_index() != 0:
         return
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     os.makedirs(ckpt_dir, exist_ok=True)
     step = int(arrays["step"])
     path = os.path.join(ckpt_dir, f"step_{step:07d}.npz")
-    write_atomically(path, lambda f: np.savez(f, __meta__=np.array(json.dumps({**meta, "step": step})), **arrays))
+    header = np.array(json.dumps({**meta, "step": step}))
+    write_atomically(path, lambda f: np.savez(f, __meta__=header, **arrays))
     for old in list_checkpoints(run_dir)[:-keep]:
         os.remove(old)
 
 
 def list_checkpoints(run_dir):
-    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among them;
-    train() deletes those when it resumes)."""
+    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among
+    them; a resumed run deletes those)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         return []
@@ -1696,93 +1919,89 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path):
-    """(metadata, arrays) of a checkpoint. Plain .npz with allow_pickle=False: loading runs no code."""
+    """(metadata, arrays) of a checkpoint. Plain .npz with allow_pickle=False: loading runs no
+    code."""
     try:
         with np.load(path, allow_pickle=False) as f:
             return json.loads(str(f["__meta__"])), {k: f[k] for k in f.files if k != "__meta__"}
-    except Exception as e:  # a damaged zip fails in many ways (BadZipFile, EOFError, ValueError, ...)
-        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if it is the "
-                         f"newest of a run that crashed, delete it to resume from the one before") from None
+    except Exception as e:  # a damaged zip fails in many ways
+        # (BadZipFile, EOFError, ValueError, ...)
+        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if "
+                         f"it is the newest of a run that crashed, delete it to resume from the "
+                         f"one before") from None
 
 
 def restore_state(arrays, abstract_state, shardings, what):
-    """Put checkpoint arrays into a state of the given structure and shardings, on however many devices
-    the current mesh has (a checkpoint from 8 devices loads on 1, and the reverse)."""
+    """Put checkpoint arrays into a state of the given structure and shardings, on however many
+    devices the current mesh has (a checkpoint from 8 devices loads on 1, and the reverse)."""
     names = flatten(abstract_state)
     missing = sorted(set(names) - set(arrays))
     if missing:
-        raise ValueError(f"{what} lacks {missing[:3]}...: it was written for another model or optimizer")
+        raise ValueError(f"{what} lacks {missing[:3]}...: it was written for another model or "
+                         f"optimizer")
     leaves = []
     for (name, like), sharding in zip(names.items(), jax.tree.leaves(shardings)):
         if arrays[name].shape != like.shape:
-            raise ValueError(f"{what}: {name} has shape {arrays[name].shape}, the model needs {like.shape}: "
-                             f"the checkpoint is from another model size")
+            raise ValueError(f"{what}: {name} has shape {arrays[name].shape}, the model needs "
+                             f"{like.shape}: the checkpoint is from another model size")
         array = arrays[name].astype(like.dtype)
-        # Each process places only its own devices' slices (device_put of a host array would compare it
-        # across all hosts first, sending the whole state over the network once per host).
-        leaves.append(jax.make_array_from_callback(like.shape, sharding, lambda index, a=array: a[index]))
+        # Each process places only its own devices' slices (device_put of a host array would compare
+        # it across all hosts first, sending the whole state over the network once per host).
+        leaves.append(jax.make_array_from_callback(like.shape, sharding,
+                                                   lambda index, a=array: a[index]))
     return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
 
 def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
-    model configuration in the metadata: small enough to share, and loadable by the official code."""
+    model configuration in the metadata: small enough to share, and loadable by the official
+    code."""
     if not ckpt_path.endswith(".npz"):
-        raise SystemExit(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` reads the "
-                         f".safetensors and .pt files directly")
+        raise SystemExit(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
+                         f"reads the .safetensors and .pt files directly")
     model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
-    tensors = {torch_name(path): to_torch_layout(path[-1], np.asarray(var[...]))
-               for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    tensors["pos_embed"] = sincos_pos_embed_2d(model.cfg.hidden_size, *model.cfg.grid)[None].astype(np.float32)
+    params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tensors = {torch_name(name): to_torch_layout(name, np.asarray(value))
+               for name, value in params.items()}
+    table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
+    tensors["pos_embed"] = table[None].astype(np.float32)
     header = {key: json.dumps(meta[key]) for key in ("model", "objective", "latent_scale")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
 
 
-def write_safetensors(f, tensors, metadata):
-    """The .safetensors format: an 8-byte little-endian header length, a JSON header giving each tensor's
-    dtype, shape and byte range, then the raw little-endian bytes."""
-    header, offset = {"__metadata__": metadata}, 0
-    for name, t in tensors.items():
-        t = np.ascontiguousarray(t, np.float32)
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
-    f.write(len(raw).to_bytes(8, "little") + raw)
-    for t in tensors.values():
-        f.write(np.ascontiguousarray(t, "<f4").tobytes())
-
-
 #################################################################################
-#                                 Training loop                                 #
+#                              12. The training loop                            #
 #################################################################################
 
-# What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 follows the
-# paper (DiT-S/2 on 32x32x4 latents, batch 256, lr 1e-4, EMA 0.9999, 400K steps). MNIST, the demo
-# that `python dit.py` runs on a CPU, shows digits within minutes: a tiny model, a 10x learning rate,
-# and an EMA over about 100 steps (0.9999 would keep most of the random initialisation for hours).
+# What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 takes the
+# paper's DiT-S/2 setup (32x32x4 latents, batch 256, lr 1e-4, EMA 0.9999) for 400K steps, with the
+# default objective, rectified flow (`--objective ddpm` for the paper's DDPM). MNIST, the demo that
+# `python dit.py` runs on a CPU, shows digits within minutes: a tiny model, a 10x learning rate, and
+# an EMA over about 100 steps (0.9999 would keep most of the random initialisation for hours).
 RECIPES = {
-    "imagenet100": dict(size="S", patch=2, batch_size=256, lr=1e-4, ema_decay=0.9999, steps=400_000,
-                        log_every=100, ckpt_every=10_000, sample_every=10_000),
-    "cifar10": dict(size="S", patch=2, batch_size=128, lr=1e-4, ema_decay=0.9999, steps=200_000,
-                    log_every=100, ckpt_every=10_000, sample_every=5_000),
-    "folder": dict(size="S", patch=2, batch_size=128, lr=1e-4, ema_decay=0.9999, steps=100_000,
-                   log_every=100, ckpt_every=5_000, sample_every=5_000),
-    "mnist": dict(size="T", patch=4, batch_size=128, lr=1e-3, ema_decay=0.99, steps=1_000,
-                  log_every=20, ckpt_every=250, sample_every=100),
+    "imagenet100": dict(size="S", patch=2, batch_size=256, lr=1e-4, ema_decay=0.9999,
+                        steps=400_000, log_every=100, ckpt_every=10_000, sample_every=10_000),
+    "cifar10": dict(size="S", patch=2, batch_size=128, lr=1e-4, ema_decay=0.9999,
+                    steps=200_000, log_every=100, ckpt_every=10_000, sample_every=5_000),
+    "folder": dict(size="S", patch=2, batch_size=128, lr=1e-4, ema_decay=0.9999,
+                   steps=100_000, log_every=100, ckpt_every=5_000, sample_every=5_000),
+    "mnist": dict(size="T", patch=4, batch_size=128, lr=1e-3, ema_decay=0.99,
+                  steps=1_000, log_every=20, ckpt_every=250, sample_every=100),
 }
 
 # Settings that define a run: resuming with different ones would silently train something else.
-RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale", "batch_size",
-                "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
+RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale",
+                "batch_size", "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
 
 
 def setup_distributed(args):
-    """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id, or
-    from the environment where a launcher started several processes (a SLURM or Open MPI job of more
-    than one task, a TPU pod slice that names its hosts in TPU_WORKER_HOSTNAMES), which JAX reads."""
-    launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
+    """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id,
+    or from the environment where a launcher started several processes (a SLURM or Open MPI job of
+    more than one task, a TPU pod slice that names its hosts in TPU_WORKER_HOSTNAMES), which JAX
+    reads."""
+    launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1
+                or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
                 or os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost")
     if args.coordinator or args.num_processes:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -1793,231 +2012,264 @@ def setup_distributed(args):
 def check_batch_size(batch_size):
     """The global batch is split evenly over all devices of all hosts."""
     if batch_size < 1 or batch_size % jax.device_count():
-        raise SystemExit(f"--batch-size {batch_size} does not split over {jax.device_count()} devices; use a positive "
-                         f"multiple of {jax.device_count()}")
+        raise SystemExit(f"--batch-size {batch_size} does not split over {jax.device_count()} "
+                         f"devices; use a positive multiple of {jax.device_count()}")
 
 
 def compute_dtype(precision):
     return {"bf16": jnp.bfloat16, "fp32": jnp.float32}[precision]
 
 
-def check_run_dir(run_dir, settings):
-    """A run directory holds one run: refuse to resume one whose defining settings differ."""
-    path = os.path.join(run_dir, "run.json")
+def make_mesh():
+    """A 1-D mesh over every device of every host, axis "data". Auto axes: jit's partitioner decides
+    how each intermediate is laid out from the shardings of the inputs and outputs."""
+    return jax.make_mesh((jax.device_count(),), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def fsdp_spec(shape, n):
+    """Shard an array over the mesh's one axis along its largest dimension that n devices divide
+    (FSDP / ZeRO-3 style); replicate it when none does (biases of odd size, scalars)."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n),
+                  key=lambda d: -shape[d])
+    if not dims:
+        return P()
+    return P(*[("data" if d == dims[0] else None) for d in range(len(shape))])
+
+
+def state_shardings(abstract_state, mesh, fsdp):
+    """Data parallel: every device holds the whole state. FSDP: parameters, EMA and Adam moments are
+    split over the devices, and jit's partitioner gathers each layer's weights when it needs
+    them."""
+    n = mesh.devices.size
+    return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_spec(a.shape, n) if fsdp else P()),
+                        abstract_state)
+
+
+def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
+    """(graphdef, state, shardings): the training state created directly in its shardings, so that a
+    model too large for one device is never whole on one; or, given a checkpoint path, read from it
+    (without initialising first, which would need the memory twice)."""
+    build = lambda: DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
+    init = lambda: new_train_state(build(), tx)  # noqa: E731
+    abstract = jax.eval_shape(init)
+    shardings = state_shardings(abstract, mesh, fsdp)
+    graphdef = nnx.graphdef(nnx.eval_shape(build))
+    if checkpoint:
+        state = restore_state(read_checkpoint(checkpoint)[1], abstract, shardings, checkpoint)
+    else:
+        state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state, shardings
+
+
+def jit_train_step(graphdef, objective, tx, ema_decay, seed, mesh, shardings):
+    """make_train_step compiled for the mesh: the state keeps its shardings (and its buffers are
+    reused for the next state), the batch is split over the devices."""
+    batch = NamedSharding(mesh, P("data"))
+    return jax.jit(make_train_step(graphdef, objective, tx, ema_decay, seed),
+                   in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
+                   donate_argnums=0)
+
+
+def open_run(args, cfg, ds):
+    """(checkpoint to resume from or None, the run's metadata for its checkpoints), with the run
+    directory made ready: a new one records the run's defining settings; an existing one must hold
+    the same run, and the temporary files of a save that a crash interrupted are deleted. The data
+    order follows from the dataset's size, so a dataset that changed could not resume exactly."""
+    settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds),
+                "num_classes": ds.num_classes}
+    meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
+            "latent_scale": ds.latent_scale,
+            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
+                          "loc": args.ln_loc, "scale": args.ln_scale}}
+    found = list_checkpoints(args.run_dir)
+    checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
+    if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
+        where = "in " + args.run_dir if args.resume == "latest" else args.resume
+        raise SystemExit(f"--resume: no checkpoint {where}")
+    newer = [p for p in found if os.path.basename(p) > os.path.basename(checkpoint or "")]
+    if newer:  # a later automatic resume would jump back to them, mixing two histories in one run
+        raise SystemExit(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
+                         f"({os.path.basename(newer[-1])}); continue in another --run-dir, or move "
+                         f"those away")
+    path = os.path.join(args.run_dir, "run.json")
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
         diff = {k: (old.get(k), settings[k]) for k in settings if old.get(k) != settings[k]}
         if diff:
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise SystemExit(f"{run_dir} holds another run ({changes}). Use another --run-dir, or the same settings "
-                             f"to resume it.")
+            raise SystemExit(f"{args.run_dir} holds another run ({changes}). Use another "
+                             f"--run-dir, or the same settings to resume it.")
     elif jax.process_index() == 0:
-        os.makedirs(run_dir, exist_ok=True)
+        os.makedirs(args.run_dir, exist_ok=True)
         write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
+    # Only process 0 writes checkpoints, so the run directory must be one that every host sees.
+    # Checked before restoring, which is itself collective: hosts restoring different files would
+    # never meet.
+    name = os.path.basename(checkpoint or "")
+    multihost_utils.assert_equal(np.int32(zlib.crc32(name.encode()) >> 1),
+                                 f"the hosts found different checkpoints in {args.run_dir}: it "
+                                 f"must be on a filesystem that all hosts share")
+    ckpt_dir = os.path.join(args.run_dir, "checkpoints")
+    if jax.process_index() == 0 and os.path.isdir(ckpt_dir):
+        for name in os.listdir(ckpt_dir):
+            if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
+                os.remove(os.path.join(ckpt_dir, name))
+    return checkpoint, meta
 
 
-def drop_metrics_after(path, step):
-    """Keep the records of steps up to `step` only: a run resumed there logs the later steps again."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except ValueError:  # a line that a crash cut short
-                pass
-    write_atomically(path, lambda f: f.write("".join(kept).encode()))
+class MetricsLog:
+    """metrics.jsonl of a run, one JSON record per line, written by process 0. A run resumed at
+    `start` first drops the records of later steps (and a line a crash cut short), so each step
+    appears once. Reading a loss waits for the device, so the metrics of each step stay on the
+    device until the end of the logging interval."""
+
+    def __init__(self, run_dir, start, batch_size, schedule):
+        self.path, self.batch_size, self.schedule = (os.path.join(run_dir, "metrics.jsonl"),
+                                                     batch_size, schedule)
+        self.pending, self.t0 = [], time.perf_counter()
+        if jax.process_index() == 0 and os.path.exists(self.path):
+            kept = []
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= start:
+                            kept.append(line)
+                    except ValueError:  # a line that a crash cut short
+                        pass
+            write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
+
+    def write(self, record):
+        if jax.process_index() == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def add(self, metrics):
+        self.pending.append(metrics)
+
+    def flush(self, done):
+        """Write the record of the steps since the last one, which ends at step `done`; stop the run
+        if a loss or gradient was not finite."""
+        losses = [float(m["loss"]) for m in self.pending]  # of steps done - len + 1 ... done
+        norms = [float(m["grad_norm"]) for m in self.pending]
+        for i, (loss, norm) in enumerate(zip(losses, norms)):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                raise FloatingPointError(
+                    f"the loss became {loss} (gradient norm {norm}) at step "
+                    f"{done - len(losses) + i + 1}; the last good checkpoint is kept in "
+                    f"{os.path.dirname(self.path)}")
+        seconds = (time.perf_counter() - self.t0) / len(self.pending)
+        record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": norms[-1],
+                  "lr": float(self.schedule(done - 1)), "images_per_s": self.batch_size / seconds,
+                  "s_per_step": seconds}
+        self.write(record)
+        self.pending, self.t0 = [], time.perf_counter()
+        return record
+
+    def scores(self, step, n, result):
+        """Write and print the FID-N and Inception Score of step `step`."""
+        self.write({"step": step, "fid": result["fid"], "fid_samples": n,
+                    "inception_score": result["inception_score"]})
+        print(f"step {step}: {describe_scores(result, n)}")
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (checkpoints, sample grids, FID) is not training time."""
+        t = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - t
 
 
 def train(args):
-    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is one
-    (or from the checkpoint file that --resume names)."""
+    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is
+    one (or from the checkpoint file that --resume names)."""
+    # The devices, the data, and the model, objective and optimizer that fit it.
     mesh = make_mesh()
     check_batch_size(args.batch_size)
-    checkpoint = (list_checkpoints(args.run_dir) or [None])[-1] if args.resume in (None, "latest") else args.resume
-    if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
-        raise SystemExit(f"--resume: no checkpoint {'in ' + args.run_dir if args.resume == 'latest' else args.resume}")
-    newer = [p for p in list_checkpoints(args.run_dir) if os.path.basename(p) > os.path.basename(checkpoint or "")]
-    if newer:  # a later automatic resume would jump back to them, mixing two histories in one run
-        raise SystemExit(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints ({os.path.basename(newer[-1])}"
-                         f"); continue in another --run-dir, or move those away")
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=(H, W) if H != W else H, in_channels=C,
+    cfg = dit_config(f"{args.size}/{args.patch}", input_size=H, in_channels=C,
                      num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
     objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
-    # The data order follows from the dataset's size, so a dataset that changed could not resume exactly.
-    settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds), "num_classes": ds.num_classes}
-    check_run_dir(args.run_dir, settings)
-    meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
-            "latent_scale": ds.latent_scale,
-            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
-                          "loc": args.ln_loc, "scale": args.ln_scale}}
-    dtype = compute_dtype(args.precision)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
-    # Only process 0 writes checkpoints, so the run directory must be one that every host sees. Checked
-    # before restoring, which is itself collective: hosts restoring different files would never meet.
-    multihost_utils.assert_equal(np.int32(zlib.crc32(os.path.basename(checkpoint or "").encode()) >> 1),
-                                 f"the hosts found different checkpoints in {args.run_dir}: it must be on a "
-                                 f"filesystem that all hosts share")
-    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp, dtype, args.remat, checkpoint)
+
+    # The run directory, and the state: restored from a checkpoint, or new.
+    checkpoint, meta = open_run(args, cfg, ds)
+    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
+                                            compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
     if checkpoint:
         print(f"resumed {checkpoint}")
-    if jax.process_index() == 0:
-        ckpt_dir = os.path.join(args.run_dir, "checkpoints")
-        for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
-            if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
-                os.remove(os.path.join(ckpt_dir, name))
-        drop_metrics_after(os.path.join(args.run_dir, "metrics.jsonl"), start)
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
-          f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} parameters, "
-          f"{jax.device_count()} devices, {jax.process_count()} processes, {args.precision}")
+          f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
+          f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
+          f"{args.precision}")
+    log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
+    step_fn = jit_train_step(graphdef, objective, tx, args.ema_decay, args.seed, mesh, shardings)
+    evaluator = Evaluator(args, graphdef, objective, mesh, ds)
 
+    # The loop: one step on every global batch, assembled from each process's share; then logging,
+    # checkpoints, sample grids and FID at their intervals.
     batch = NamedSharding(mesh, P("data"))
-    step_fn = jax.jit(make_train_step(graphdef, objective, tx, args.ema_decay, args.seed),
-                      in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
-    vae = load_vae(args.vae) if ds.is_latent else None
-    grid_n = math.ceil(16 / jax.device_count()) * jax.device_count()
-    # The grids use the same noise and labels at every step of a run, so that they compare.
-    grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (grid_n, H, W, C))
-    grid_labels = jnp.asarray(spread_labels(grid_n, ds.num_classes))
-    sample_method = "euler" if args.objective == "rf" else "ddpm"
-    grid_sampler = Sampler(graphdef, objective, mesh, steps=args.sample_steps, method=sample_method,
-                           cfg_scale=args.cfg_scale, vae=vae, latent_scale=ds.latent_scale)
-    fid_sampler = Sampler(graphdef, objective, mesh, steps=args.sample_steps, method=sample_method,
-                          cfg_scale=args.fid_cfg_scale, vae=vae,
-                          latent_scale=ds.latent_scale) if args.fid_every or args.final_fid else None
-    fid_ref = args.fid_ref
-    if fid_ref is None and args.dataset == "imagenet100":
-        fid_ref = os.path.join(args.data_dir or default_data_dir("imagenet100"), "fid_stats.npz")
-
-    def log(record):
-        if jax.process_index() == 0:
-            with open(os.path.join(args.run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    inception = None  # loaded at the first FID evaluation, then kept
-
-    def run_fid(step, n):
-        nonlocal inception
-        if not (fid_ref and os.path.exists(fid_ref)):
-            print(f"FID skipped: no reference statistics{f' at {fid_ref}' if fid_ref else ''}; pass --fid-ref "
-                  f"(`python fid.py stats IMAGES stats.npz` makes one)")
-            return
-        images, _ = generate(fid_sampler, state["ema"], n, args.batch_size, (H, W, C), ds.num_classes, args.seed)
-        if inception is None:
-            inception = fid.load_inception(args.inception)
-        result = evaluate_samples(images, fid_ref, inception)
-        log({"step": step, "fid": result["fid"], "fid_samples": n, "inception_score": result["inception_score"]})
-        print(f"step {step}: {describe_scores(result, n)}")
-
-    loader = Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count())
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=jax.process_index() != 0)
-    pending, t0 = [], time.perf_counter()
-    try:
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
+               disable=jax.process_index() != 0)
+    with Loader(ds, args.batch_size, args.seed, start, jax.process_index(),
+                jax.process_count()) as loader:
         for step, (x, y) in zip(bar, loader):
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
             state, metrics = step_fn(state, x, y)
-            pending.append(metrics)
+            log.add(metrics)
             done = step + 1
-            if done % args.log_every == 0 or done == args.steps or done % args.ckpt_every == 0:
-                # Reading the loss waits for the device, so it is done once per logging interval.
-                losses = [float(m["loss"]) for m in pending]  # of steps done - len(losses) + 1 ... done
-                norms = [float(m["grad_norm"]) for m in pending]
-                for i, (loss, norm) in enumerate(zip(losses, norms)):
-                    if not (math.isfinite(loss) and math.isfinite(norm)):
-                        raise FloatingPointError(f"the loss became {loss} (gradient norm {norm}) at step "
-                                                 f"{done - len(losses) + i + 1}; the last good checkpoint is "
-                                                 f"kept in {args.run_dir}")
-                seconds = (time.perf_counter() - t0) / len(pending)
-                record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": norms[-1],
-                          "lr": float(schedule(done - 1)), "images_per_s": args.batch_size / seconds,
-                          "s_per_step": seconds}
-                log(record)
+            if done % args.log_every == 0 or done % args.ckpt_every == 0 or done == args.steps:
+                record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-                pending, t0 = [], time.perf_counter()
-            t_extra = time.perf_counter()
-            if done % args.ckpt_every == 0 or done == args.steps:
-                save_checkpoint(args.run_dir, state, meta, args.keep)
-            if done % args.sample_every == 0 or done == args.steps:
-                images = grid_sampler(state["ema"], grid_noise, grid_labels, jax.random.key(args.seed + 2))
-                if jax.process_index() == 0:
-                    save_grid(images, os.path.join(args.run_dir, "samples", f"step_{done:07d}.png"))
-            if args.fid_every and done % args.fid_every == 0:
-                run_fid(done, args.fid_samples)
-            t0 += time.perf_counter() - t_extra  # checkpoints, grids and FID are not training time
-    finally:
-        loader.close()
+            with log.paused():
+                if done % args.ckpt_every == 0 or done == args.steps:
+                    save_checkpoint(args.run_dir, state, meta, args.keep)
+                if done % args.sample_every == 0 or done == args.steps:
+                    evaluator.grid(state["ema"], done)
+                if args.fid_every and done % args.fid_every == 0:
+                    evaluator.fid(state["ema"], done, args.fid_samples, log)
+
+    # The end: the EMA weights on their own, and the final FID.
     if jax.process_index() == 0 and list_checkpoints(args.run_dir):
-        print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], os.path.join(args.run_dir, "ema.safetensors")))
+        out = os.path.join(args.run_dir, "ema.safetensors")
+        print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], out))
     if args.final_fid:
-        run_fid(args.steps, args.final_fid)
+        evaluator.fid(state["ema"], args.steps, args.final_fid, log)
     return state
 
 
 #################################################################################
-#                            Sampling and evaluation                            #
+#                          13. Sampling and evaluation                          #
 #################################################################################
-
-def config_from_json(d):
-    """A DiTConfig from its JSON form (which turns a (height, width) tuple into a list)."""
-    return DiTConfig(**{**d, "input_size": d["input_size"] if isinstance(d["input_size"], int) else tuple(d["input_size"])})
-
-
-def safetensors_metadata(path):
-    """The string metadata in a .safetensors header (where an exported model keeps its configuration)."""
-    with open(path, "rb") as f:
-        return json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__", {})
-
 
 def load_model(path, dtype=jnp.float32):
     """(model, objective settings, metadata) for sampling, from any of the three weight files:
-    our training checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
+    our training checkpoint (.npz; its EMA weights), an exported .safetensors, or an official
+    .pt."""
     if path.endswith(".npz"):
         meta, arrays = read_checkpoint(path)
-        model = nnx.eval_shape(lambda: DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0)))
-        for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            var.set_value(jnp.asarray(arrays["ema." + ".".join(str(k) for k in p)]))
+        model = nnx.eval_shape(lambda: DiT(DiTConfig(**meta["model"]), dtype=dtype,
+                                           rngs=nnx.Rngs(0)))
+        names = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        set_params(model, {name: arrays["ema." + name] for name in names})
         return model, meta["objective"], meta
     if path.endswith(".safetensors"):
-        raw = safetensors_metadata(path)
+        tensors, raw = read_safetensors(path)
         if "model" not in raw:
-            raise ValueError(f"{path} has no model configuration in its metadata; was it written by `dit.py export`?")
+            raise ValueError(f"{path} has no model configuration in its metadata; was it written "
+                             f"by `dit.py export`?")
         meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
-        model = nnx.eval_shape(lambda: DiT(config_from_json(meta["model"]), dtype=dtype, rngs=nnx.Rngs(0)))
-        load_state_dict(model, read_safetensors(path), path)
+        model = nnx.eval_shape(lambda: DiT(DiTConfig(**meta["model"]), dtype=dtype,
+                                           rngs=nnx.Rngs(0)))
+        load_state_dict(model, tensors, path)
         return model, meta["objective"], meta
-    # The released checkpoints were trained with DDPM on SD-VAE latents (sampled at 250 steps in the paper).
-    return load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"}, {"latent_scale": VAEConfig().scaling_factor}
-
-
-def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
-           interval=None, return_trajectory=False):
-    """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free guidance
-    when cfg_scale != 1: the batch is doubled with null labels and the guided half kept. Pure; jit it."""
-    guided = cfg_scale != 1 and model.cfg.num_classes
-    if guided and not model.cfg.class_dropout_prob:
-        raise ValueError("classifier-free guidance needs the null label, which a model trained without label "
-                         "dropout (class_dropout_prob 0) lacks: sample with cfg_scale 1")
-    if guided:
-        x = jnp.concatenate([noise, noise])
-        y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
-        model_fn = lambda x, t: model.forward_with_cfg(x, t, y2, cfg_scale, guidance_channels, interval)  # noqa: E731
-    else:
-        x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
-    if isinstance(objective, RectifiedFlow):
-        out = objective.sample(model_fn, x, steps, method, return_trajectory=return_trajectory)
-    else:
-        # DDPM samples on a respaced chain: `steps` evenly spaced timesteps, "ddim<steps>" for DDIM.
-        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps))
-        out = chain.sample(model_fn, x, key, method, return_trajectory=return_trajectory)
-    n = noise.shape[0]
-    return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
+    # The released checkpoints were trained with DDPM on SD-VAE latents.
+    return (load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"},
+            {"latent_scale": VAEConfig().scaling_factor})
 
 
 def to_uint8(images):
@@ -2026,7 +2278,8 @@ def to_uint8(images):
 
 
 def make_grid(images, nrow=None):
-    """Tile uint8 images (N, H, W, C) into one image, 2-pixel gaps, nrow per row (square by default)."""
+    """Tile uint8 images (N, H, W, C) into one image, 2-pixel gaps, nrow per row (square by
+    default)."""
     n, h, w, c = images.shape
     nrow = nrow or math.ceil(math.sqrt(n))
     rows = math.ceil(n / nrow)
@@ -2043,22 +2296,24 @@ def save_grid(images, path):
 
 
 class Sampler:
-    """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the mesh:
-    noise, labels and outputs are split along the batch; latents are decoded by the VAE when given."""
+    """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
+    mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
+    given."""
 
-    def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale, guidance_channels=None,
-                 interval=None, vae=None, latent_scale=None, return_trajectory=False):
+    def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale,
+                 guidance_channels=None, interval=None, vae=None, latent_scale=None,
+                 return_trajectory=False):
         self.trajectory = return_trajectory
         batch = NamedSharding(mesh, P("data"))
 
         def run(params, noise, y, key):
-            return sample(nnx.merge(graphdef, params), objective, noise, y, key, steps=steps, method=method,
-                          cfg_scale=cfg_scale, guidance_channels=guidance_channels, interval=interval,
-                          return_trajectory=return_trajectory)
+            return sample(nnx.merge(graphdef, params), objective, noise, y, key, steps=steps,
+                          method=method, cfg_scale=cfg_scale, guidance_channels=guidance_channels,
+                          interval=interval, return_trajectory=return_trajectory)
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
-        # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too, so
-        # that only bytes travel to the host. Its weights are copied to every device once, here.
+        # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too,
+        # so that only bytes travel to the host. Its weights are copied to every device once, here.
         if vae is not None:
             vae_graphdef, vae_params = nnx.split(vae)
             self.vae = (vae_graphdef, jax.device_put(vae_params, NamedSharding(mesh, P())))
@@ -2077,8 +2332,9 @@ class Sampler:
         return to_host(self.finish(self.vae[1] if self.vae else None, x))
 
     def __call__(self, params, noise, y, key):
-        """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with return_trajectory,
-        also the images of at most 60 evenly spaced steps, noise first (F, B, H', W', C'), for an animation."""
+        """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with
+        return_trajectory, also the images of at most 60 evenly spaced steps, noise first
+        (F, B, H', W', C'), for an animation."""
         out = self.run(params, noise, y, key)
         if self.trajectory:
             x, traj = out
@@ -2088,20 +2344,23 @@ class Sampler:
 
 
 def spread_labels(n, num_classes):
-    """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional model). (n,)"""
+    """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional
+    model). (n,)"""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
-    """n uint8 samples with labels spread evenly over the classes (the official sample_ddp.py draws them at
-    random; even spreading removes that source of variance from FID), in
-    global batches of batch_size over all devices and hosts. Returns (images (n, H, W, 3), labels (n,))."""
+    """n uint8 samples with labels spread evenly over the classes (the official sample_ddp.py draws
+    them at random; even spreading removes that source of variance from FID), in global batches of
+    batch_size over all devices and hosts. Returns (images (n, H, W, 3), labels (n,))."""
     labels = spread_labels(n, num_classes)
     chunks = []
-    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling", disable=jax.process_index() != 0):
+    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
+                  disable=jax.process_index() != 0):
         y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
         noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
-        chunks.append(sampler(params, noise, jnp.asarray(y), jax.random.fold_in(jax.random.key(seed + 1), i)))
+        key = jax.random.fold_in(jax.random.key(seed + 1), i)
+        chunks.append(sampler(params, noise, jnp.asarray(y), key))
     images = np.concatenate(chunks)[:n]
     if images.shape[-1] == 1:  # grayscale (MNIST): Inception and OpenAI's evaluator take RGB
         images = np.repeat(images, 3, axis=-1)
@@ -2110,34 +2369,83 @@ def generate(sampler, params, n, batch_size, shape, num_classes, seed):
 
 def describe_scores(result, n):
     score = result["inception_score"]  # None below 10 images
-    return f"FID-{n / 1000:g}K {result['fid']:.3f}, Inception Score {'n/a' if score is None else f'{score:.2f}'}"
+    return (f"FID-{n / 1000:g}K {result['fid']:.3f}, Inception Score "
+            f"{'n/a' if score is None else f'{score:.2f}'}")
 
 
 def evaluate_samples(images, ref, inception):
-    """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, with the network
-    that fid.load_inception built. Every process holds all the samples; each feeds its own share and
-    fid.py combines the statistics."""
+    """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, with the
+    network that fid.load_inception built. Every process holds all the samples; each feeds its own
+    share and fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
     return fid.evaluate(share, ref_stats=ref, inception=inception)
 
 
+class Evaluator:
+    """What a training run evaluates of its EMA weights: sample grids, from the same noise and
+    labels at every step so that they compare, and FID-N against reference statistics (--fid-ref,
+    or the prepared ImageNet-100's), with an Inception network loaded at the first evaluation and
+    kept."""
+
+    def __init__(self, args, graphdef, objective, mesh, ds):
+        sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
+                                    method=DEFAULT_SAMPLER[args.objective][0],
+                                    vae=load_vae(args.vae) if ds.is_latent else None,
+                                    latent_scale=ds.latent_scale)
+        self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
+        if args.fid_every or args.final_fid:
+            self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
+        n = math.ceil(16 / jax.device_count()) * jax.device_count()
+        self.shape, self.num_classes = ds.input_shape, ds.num_classes
+        self.grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape))
+        self.grid_labels = jnp.asarray(spread_labels(n, ds.num_classes))
+        self.args, self.inception = args, None
+        self.ref = args.fid_ref
+        if self.ref is None and args.dataset == "imagenet100":
+            data_dir = args.data_dir or default_data_dir("imagenet100")
+            self.ref = os.path.join(data_dir, "fid_stats.npz")
+
+    def grid(self, params, step):
+        """samples/step_XXXXXXX.png of the run directory."""
+        images = self.grid_sampler(params, self.grid_noise, self.grid_labels,
+                                   jax.random.key(self.args.seed + 2))
+        if jax.process_index() == 0:
+            save_grid(images, os.path.join(self.args.run_dir, "samples", f"step_{step:07d}.png"))
+
+    def fid(self, params, step, n, log):
+        """FID-N and Inception Score of n samples, into the log; skipped, with a note why, when
+        there are no reference statistics."""
+        if not (self.ref and os.path.exists(self.ref)):
+            print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
+                  f"pass --fid-ref (`python fid.py stats IMAGES stats.npz` makes one)")
+            return
+        images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
+                             self.num_classes, self.args.seed)
+        self.inception = self.inception or fid.load_inception(self.args.inception)
+        log.scores(step, n, evaluate_samples(images, self.ref, self.inception))
+
+
 #################################################################################
-#                                   Benchmark                                   #
+#                                 14. Benchmark                                 #
 #################################################################################
 
-# Dense bfloat16 peak of common accelerators, FLOP/s, for model FLOPs utilisation (MFU).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12, "T4": 65e12,
-              "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12, "TPU v3": 123e12,
-              "TPU v2": 45e12}
+# Dense peak of common accelerators in FLOP/s, for model FLOPs utilisation (MFU): bfloat16 where the
+# device has it, float16 on the T4, which has no bfloat16.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12,
+              "T4": 65e12, "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12,
+              "TPU v3": 123e12, "TPU v2": 45e12}
 
 
 def dit_flops(cfg):
     """Forward FLOPs of one image (2 per multiply-add): the matrix products of the blocks, attention
-    and the embedders. The paper's "Gflops" count multiply-adds: half of this (118.6 for DiT-XL/2)."""
-    (h, w), D, p = cfg.grid, cfg.hidden_size, cfg.patch_size
-    T, M = h * w, int(D * cfg.mlp_ratio)
-    per_block = T * (3 * D * D + D * D + 2 * D * M) + 2 * T * T * D + 6 * D * D  # qkv, proj, mlp, attention, adaLN
-    embed = T * p * p * cfg.in_channels * D + 256 * D + D * D + 2 * D * D + T * D * p * p * cfg.out_channels
+    and the embedders. The paper's "Gflops" count multiply-adds: half of this (118.6 for
+    DiT-XL/2)."""
+    T, D, p, M = (cfg.grid ** 2, cfg.hidden_size, cfg.patch_size,
+                  int(cfg.hidden_size * cfg.mlp_ratio))
+    # qkv, proj, mlp, attention scores and values, adaLN
+    per_block = T * (3 * D * D + D * D + 2 * D * M) + 2 * T * T * D + 6 * D * D
+    embed = (T * p * p * cfg.in_channels * D + 256 * D + D * D + 2 * D * D
+             + T * D * p * p * cfg.out_channels)
     return 2 * (cfg.depth * per_block + embed)
 
 
@@ -2145,16 +2453,17 @@ def bench(args):
     """Training throughput on synthetic data: images/s, ms per step, peak memory and MFU."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size, in_channels=args.channels,
-                     num_classes=1000, learn_sigma=args.objective == "ddpm")
-    objective = make_objective(args.objective)
+    cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size,
+                     in_channels=args.channels, num_classes=1000,
+                     learn_sigma=args.objective == "ddpm")
     tx, _ = make_optimizer(1e-4)
-    graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp, compute_dtype(args.precision), args.remat)
+    graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
+                                            compute_dtype(args.precision), args.remat)
+    step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, 0, mesh,
+                             shardings)
     batch = NamedSharding(mesh, P("data"))
-    step_fn = jax.jit(make_train_step(graphdef, objective, tx, 0.9999, 0),
-                      in_shardings=(shardings, batch, batch), out_shardings=(shardings, None), donate_argnums=0)
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (args.batch_size, args.image_size, args.image_size,
-                                                             args.channels)), batch)
+    shape = (args.batch_size, args.image_size, args.image_size, args.channels)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), shape), batch)
     y = jax.device_put(jnp.arange(args.batch_size) % 1000, batch)
     t = time.perf_counter()
     state, m = step_fn(state, x, y)
@@ -2169,47 +2478,51 @@ def bench(args):
     flops = 3 * dit_flops(cfg) * args.batch_size  # backward = twice the forward
     peak = next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
     mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
-    print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, global batch "
-          f"{args.batch_size}, {args.precision}{', remat' if args.remat else ''}{', fsdp' if args.fsdp else ''}, "
-          f"{jax.device_count()} x {device.device_kind}")
-    print(f"  compile {compile_s:.1f} s | {1000 * seconds:.1f} ms/step | {args.batch_size / seconds:.1f} images/s | "
-          f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU "
-          f"{f'{100 * flops / seconds / (peak * jax.device_count()):.1f}%' if peak else 'n/a (unknown peak)'} | "
+    mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
+           else "n/a (unknown peak)")
+    print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, "
+          f"global batch {args.batch_size}, {args.precision}{', remat' if args.remat else ''}"
+          f"{', fsdp' if args.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
+    print(f"  compile {compile_s:.1f} s | {1000 * seconds:.1f} ms/step | "
+          f"{args.batch_size / seconds:.1f} images/s | "
+          f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu} | "
           f"peak memory {f'{mem / 2**30:.2f} GiB' if mem else 'n/a'}")
     return {"ms_per_step": 1000 * seconds, "images_per_s": args.batch_size / seconds}
 
 
 #################################################################################
-#                                  Command line                                 #
+#                                15. Command line                               #
 #################################################################################
 
-
 def sample_command(args):
-    """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their scores."""
+    """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
+    scores."""
     mesh = make_mesh()
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
             raise SystemExit("--gif animates a grid; it does not go with --fid")
     model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
-    objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"), obj.get("loc", 0.0),
-                               obj.get("scale", 1.0))
-    method = args.sampler or ("euler" if obj["name"] == "rf" else "ddpm")
-    steps = args.steps or (50 if obj["name"] == "rf" else 250)
+    objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"),
+                               obj.get("loc", 0.0), obj.get("scale", 1.0))
+    default_method, default_steps = DEFAULT_SAMPLER[obj["name"]]
     cfg = model.cfg
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
-        raise SystemExit(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this model")
+        raise SystemExit(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
+                         f"model")
     latent_scale = meta.get("latent_scale")
-    vae = load_vae(args.vae) if latent_scale else None
-    h, w = cfg.grid
-    shape = (h * cfg.patch_size, w * cfg.patch_size, cfg.in_channels)  # (H, W, C) of the model's input
-    sampler = Sampler(nnx.graphdef(model), objective, mesh, steps=steps, method=method, cfg_scale=args.cfg_scale,
+    shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
+    sampler = Sampler(nnx.graphdef(model), objective, mesh, steps=args.steps or default_steps,
+                      method=args.sampler or default_method, cfg_scale=args.cfg_scale,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
-                      interval=args.guidance_interval, vae=vae, latent_scale=latent_scale,
+                      interval=args.guidance_interval,
+                      vae=load_vae(args.vae) if latent_scale else None, latent_scale=latent_scale,
                       return_trajectory=bool(args.gif))
-    params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))  # on every device, once
+    # the weights on every device, once
+    params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
     if args.fid:
-        images, labels = generate(sampler, params, args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
+        images, labels = generate(sampler, params, args.fid, args.batch_size, shape,
+                                  cfg.num_classes, args.seed)
         if jax.process_index() == 0:
             out = args.out or "samples.npz"
             write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
@@ -2219,7 +2532,8 @@ def sample_command(args):
             print(describe_scores(result, args.fid))
         return
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()
-    labels = np.resize(np.asarray(args.labels, np.int32), n) if args.labels else spread_labels(n, cfg.num_classes)
+    labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
+              else spread_labels(n, cfg.num_classes))
     noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
     out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
     images, trajectory = out if args.gif else (out, None)
@@ -2231,94 +2545,143 @@ def sample_command(args):
     if args.gif:
         grids = [make_grid(frame[:args.n]) for frame in trajectory]
         # hold the final grid for a while before the animation loops
-        grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20, duration=60, loop=0)
+        grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20,
+                      duration=60, loop=0)
         print(f"trajectory -> {args.gif}")
 
 
+def recipes_table():
+    """RECIPES as the text that --help shows."""
+    keys = list(RECIPES["mnist"])
+    rows = [["dataset", *keys]] + [[name, *(str(r[k]) for k in keys)]
+                                   for name, r in RECIPES.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(keys) + 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "recipes (the defaults of each --dataset; any option overrides its value):\n  " + \
+        "\n  ".join(lines)
+
+
+def model_options(size=None, patch=None, precision=None):
+    """The options of the model that train and bench build, with each command's defaults."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--size", default=size, choices=list(DIT_SIZES),
+                   help="model size, Table 1 of the paper (T: a tiny size for CPU demos)")
+    p.add_argument("--patch", type=int, default=patch, choices=[2, 4, 8],
+                   help="patch size p: the model sees (H/p)^2 tokens")
+    p.add_argument("--objective", default="rf", choices=["rf", "ddpm"],
+                   help="rectified flow, or DiT's DDPM with learned variance (exact paper "
+                   "reproduction)")
+    p.add_argument("--precision", default=precision, choices=["bf16", "fp32"],
+                   help="compute dtype; parameters and optimizer state stay fp32 (train default: "
+                   "bf16 on accelerators, fp32 on CPUs)")
+    p.add_argument("--remat", action="store_true",
+                   help="recompute block activations in the backward pass (less memory, more "
+                   "compute)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters and optimizer state over the devices")
+    return p
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="dit.py", description="Train, sample, export and benchmark DiT models. "
-                                     "Commands: train (default), sample, export, bench; `dit.py COMMAND --help`.")
+    # Options of the commands that load weights and may run on several hosts.
+    hosts = argparse.ArgumentParser(add_help=False)
+    hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
+                       "no launcher (SLURM, Open MPI, TPU pod) set up")
+    hosts.add_argument("--num-processes", type=int, help="number of processes of a multi-host run")
+    hosts.add_argument("--process-id", type=int, help="this process's index in a multi-host run")
+    weights = argparse.ArgumentParser(add_help=False)
+    weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
+                         "when missing), or a local diffusers folder or weight file")
+    weights.add_argument("--inception", help="pytorch-fid Inception weights for FID (downloaded "
+                         "when missing)")
+    weights.add_argument("--seed", type=int, default=0, help="seed of every random number")
+    recipes = argparse.RawDescriptionHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
+        description="Train, sample, export and benchmark DiT models. Commands: train (the "
+                    "default), sample, export, bench; `dit.py COMMAND --help` lists a command's "
+                    "options.")
     sub = parser.add_subparsers(dest="command")
-    t = sub.add_parser("train", help="train a DiT (the default command)")
-    t.add_argument("--dataset", default="mnist", choices=["mnist", "cifar10", "imagenet100", "folder"])
-    t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for mnist and cifar10)")
+    t = sub.add_parser("train", help="train a DiT (the default command)", formatter_class=recipes,
+                       epilog=recipes_table(), parents=[model_options(), weights, hosts])
+    t.add_argument("--dataset", default="mnist",
+                   choices=["mnist", "cifar10", "imagenet100", "folder"],
+                   help="what to train on; its recipe (below) gives the defaults")
+    t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for "
+                   "mnist and cifar10)")
     t.add_argument("--resolution", type=int, help="centre-crop size for --dataset folder")
-    t.add_argument("--size", choices=list(DIT_SIZES), help="model size (T is a tiny size for CPU demos)")
-    t.add_argument("--patch", type=int, choices=[2, 4, 8])
-    t.add_argument("--objective", default="rf", choices=["rf", "ddpm"],
-                   help="rectified flow, or DiT's DDPM with learned variance (exact paper reproduction)")
-    t.add_argument("--timestep-sampling", default="logit_normal", choices=["logit_normal", "uniform"])
-    t.add_argument("--ln-loc", type=float, default=0.0, help="mean of the logit-normal timestep distribution")
-    t.add_argument("--ln-scale", type=float, default=1.0, help="scale of the logit-normal timestep distribution")
-    t.add_argument("--batch-size", type=int, help="global batch over all devices and hosts (DiT: 256)")
+    t.add_argument("--timestep-sampling", default="logit_normal",
+                   choices=["logit_normal", "uniform"],
+                   help="distribution of rectified flow's training times")
+    t.add_argument("--ln-loc", type=float, default=0.0,
+                   help="mean of the logit-normal timestep distribution")
+    t.add_argument("--ln-scale", type=float, default=1.0,
+                   help="scale of the logit-normal timestep distribution")
+    t.add_argument("--batch-size", type=int, help="global batch over all devices and hosts")
     t.add_argument("--steps", type=int, help="training steps")
-    t.add_argument("--lr", type=float, help="AdamW learning rate (DiT: 1e-4)")
+    t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
-    t.add_argument("--grad-clip", type=float, default=0.0, help="clip the global gradient norm (0: off)")
-    t.add_argument("--ema-decay", type=float)
-    t.add_argument("--precision", choices=["bf16", "fp32"],
-                   help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on accelerators)")
-    t.add_argument("--remat", action="store_true", help="recompute block activations in the backward pass")
-    t.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over the devices")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--run-dir", help="checkpoints, metrics and samples; an existing run there is resumed")
-    t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint file; without a "
-                   "file, from the newest in --run-dir, which must have one")
-    t.add_argument("--log-every", type=int)
-    t.add_argument("--ckpt-every", type=int)
+    t.add_argument("--grad-clip", type=float, default=0.0,
+                   help="clip the global gradient norm (0: off)")
+    t.add_argument("--ema-decay", type=float, help="decay of the EMA of the weights")
+    t.add_argument("--run-dir", help="checkpoints, metrics and samples; an existing run there is "
+                   "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
+    t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "
+                   "file; without a file, from the newest in --run-dir, which must have one")
+    t.add_argument("--log-every", type=int, help="steps between records in metrics.jsonl")
+    t.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
     t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    t.add_argument("--sample-every", type=int)
-    t.add_argument("--sample-steps", type=int, help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
-    t.add_argument("--cfg-scale", type=float, default=4.0, help="guidance scale of the sample grids")
+    t.add_argument("--sample-every", type=int, help="steps between sample grids")
+    t.add_argument("--sample-steps", type=int,
+                   help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
+    t.add_argument("--cfg-scale", type=float, default=4.0,
+                   help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=int, default=0, help="FID every N steps (0: never)")
     t.add_argument("--fid-samples", type=int, default=5000, help="samples for --fid-every")
-    t.add_argument("--final-fid", type=int, default=10_000, help="samples for the FID at the end (0: none)")
-    t.add_argument("--fid-cfg-scale", type=float, default=1.5)
-    t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: <data-dir>/fid_stats.npz)")
-    t.add_argument("--inception", help="pytorch-fid Inception weights (downloaded when missing)")
-    t.add_argument("--vae", default="ema", help="VAE for latent datasets: ema, mse, or a local folder or file")
+    t.add_argument("--final-fid", type=int, default=10_000,
+                   help="samples for the FID at the end (0: none)")
+    t.add_argument("--fid-cfg-scale", type=float, default=1.5, help="guidance scale of FID samples")
+    t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: "
+                   "<data-dir>/fid_stats.npz)")
 
-    s = sub.add_parser("sample", help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
-    s.add_argument("--ckpt", required=True, help="training checkpoint .npz, exported .safetensors or official .pt")
-    s.add_argument("--cfg-scale", type=float, default=4.0)
+    s = sub.add_parser("sample", parents=[weights, hosts],
+                       help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
+    s.add_argument("--ckpt", required=True,
+                   help="training checkpoint .npz, exported .safetensors or official .pt")
+    s.add_argument("--cfg-scale", type=float, default=4.0,
+                   help="classifier-free guidance scale (1: none)")
     s.add_argument("--steps", type=int, help="sampling steps (rf: 50, ddpm: 250)")
-    s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"], help="rf: euler|heun, ddpm: ddpm|ddim")
+    s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"],
+                   help="rf: euler (default) or heun; ddpm: ddpm (default) or ddim")
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
-                   help="guide all channels, or the first 3 as the official FID figures were computed")
+                   help="guide all channels, or the first 3 as the official FID figures were "
+                   "computed")
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
                    help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale")
     s.add_argument("--n", type=int, default=16, help="images in the grid")
-    s.add_argument("--labels", type=int, nargs="*", help="class labels of the grid (default: 0, 1, 2, ...)")
+    s.add_argument("--labels", type=int, nargs="*",
+                   help="class labels of the grid (default: 0, 1, 2, ...)")
     s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
-    s.add_argument("--fid", type=int, default=0, help="draw this many samples (labels spread evenly) as .npz")
+    s.add_argument("--fid", type=int, default=0,
+                   help="draw this many samples (labels spread evenly) as .npz")
     s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
-    s.add_argument("--inception", help="pytorch-fid Inception weights (downloaded when missing)")
     s.add_argument("--batch-size", type=int, default=64, help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--precision", default="fp32", choices=["bf16", "fp32"])
-    s.add_argument("--vae", default="ema", help="VAE for latent models: ema, mse, or a local folder or file")
+    s.add_argument("--precision", default="fp32", choices=["bf16", "fp32"],
+                   help="compute dtype of the model")
 
     e = sub.add_parser("export", help="write the EMA weights of a checkpoint as .safetensors")
-    e.add_argument("--ckpt", required=True)
-    e.add_argument("--out", required=True)
+    e.add_argument("--ckpt", required=True, help="training checkpoint .npz")
+    e.add_argument("--out", required=True, help="the .safetensors file to write")
 
-    b = sub.add_parser("bench", help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
-    b.add_argument("--size", default="S", choices=list(DIT_SIZES))
-    b.add_argument("--patch", type=int, default=2, choices=[2, 4, 8])
-    b.add_argument("--image-size", type=int, default=32, help="latent size (32 for 256x256 images)")
-    b.add_argument("--channels", type=int, default=4)
-    b.add_argument("--batch-size", type=int, default=256)
-    b.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    b.add_argument("--objective", default="rf", choices=["rf", "ddpm"])
-    b.add_argument("--remat", action="store_true")
-    b.add_argument("--fsdp", action="store_true")
+    b = sub.add_parser("bench", parents=[model_options("S", 2, "bf16")],
+                       help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
+    b.add_argument("--image-size", type=int, default=32,
+                   help="input height and width (latents: 32 for 256x256 images)")
+    b.add_argument("--channels", type=int, default=4, help="input channels (latents: 4)")
+    b.add_argument("--batch-size", type=int, default=256, help="global batch")
     b.add_argument("--steps", type=int, default=10, help="timed steps after the compiling one")
-    for p in (t, s):
-        p.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that no launcher "
-                       "(SLURM, Open MPI, TPU pod) set up")
-        p.add_argument("--num-processes", type=int)
-        p.add_argument("--process-id", type=int)
     return parser
 
 
@@ -2337,7 +2700,8 @@ def main(argv=None):
     if args.command == "bench":
         return bench(args)
     if args.keep < 1:
-        raise SystemExit("--keep must be at least 1: the newest checkpoint is what a run resumes from")
+        raise SystemExit("--keep must be at least 1: the newest checkpoint is what a run resumes "
+                         "from")
     for key, value in RECIPES[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -2345,10 +2709,12 @@ def main(argv=None):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key.replace('_', '-')} must be at least 1 (a number of steps)")
     args.precision = args.precision or ("fp32" if jax.default_backend() == "cpu" else "bf16")
-    args.sample_steps = args.sample_steps or (50 if args.objective == "rf" else 250)
-    args.run_dir = args.run_dir or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}")
+    args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]
+    args.run_dir = (args.run_dir
+                    or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))
     return train(args)
 
 
-if __name__ == "__main__" and "ipykernel" not in sys.modules:  # pasted into a notebook: call main([...])
+# pasted into a notebook: call main([...])
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
     main()
