@@ -25,6 +25,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import reprlib
 import socket
 import struct
@@ -107,13 +108,57 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f"reader does not support. Nothing from the file was run.") from None
 
 
-def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
-    """Unpickle `fileobj`, resolving a global `module.name` only as `allowed[(module, name)]`.
+class _Recorder:
+    """A file as pickletools.genops reads it, keeping what was read. Reads go in pieces of at most
+    1 MiB, so that a count in a pickle larger than its data allocates no more than the data."""
 
-    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses them
-    for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes" or "latin1".
+    def __init__(self, f):
+        self.f, self.parts = f, []
+
+    def read(self, n):
+        pieces = []
+        while n > 0 and (piece := self.f.read(min(n, 1 << 20))):
+            pieces.append(piece)
+            n -= len(piece)
+        self.parts.append(b"".join(pieces))
+        return self.parts[-1]
+
+    def readline(self):
+        self.parts.append(self.f.readline())
+        return self.parts[-1]
+
+
+def _read_pickle(fileobj):
+    """The bytes of the next pickle in `fileobj`, up to its STOP, after checking its opcodes.
+
+    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
+    and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
+    `LONG_BINPUT 2**30` alone takes 16 GiB. Here every count is read against the data that is
+    really there, and a memo index may not exceed the opcodes before it (a pickler numbers its
+    entries in order), so that no pickle makes the unpickler allocate much more than its own size.
     """
-    return _RestrictedUnpickler(fileobj, allowed, persistent_load, encoding).load()
+    recorder = _Recorder(fileobj)
+    try:
+        for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > seen:
+                raise pickle.UnpicklingError(f"memo index {arg} after only {seen} opcodes: the "
+                                             f"pickle is damaged or crafted")
+    except ValueError as e:  # genops' word for truncated or unknown data
+        raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
+    return b"".join(recorder.parts)
+
+
+def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
+    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
+    `allowed[(module, name)]`.
+
+    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses
+    them for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes"
+    or "latin1". The pickle is read and checked first (_read_pickle), so that it cannot make the
+    unpickler allocate more memory than it holds; a damaged one raises pickle.UnpicklingError.
+    """
+    raw = _read_pickle(fileobj)
+    return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
 
 
 # Storage classes as torch names them in a pickle -> element type of their raw bytes.
@@ -330,16 +375,18 @@ def _load_torch_zip(path, archive, file_size):
 def _load_torch_legacy(path, f, file_size):
     """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list
     of storage keys, then each storage as an int64 element count followed by its raw bytes."""
-    not_torch = (f"{path}: not a PyTorch file (neither a zip archive nor a legacy torch.save "
-                 f"pickle); pass the file that torch.save wrote")
+    def not_torch(why):
+        return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
+                          f"torch.save pickle; pass the file that torch.save wrote")
+
     try:
         magic = safe_unpickle(f, {})
     except UnsafePickleError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
-        raise InputError(f"{not_torch} ({type(e).__name__}: {e})") from None
+        raise not_torch(f"{type(e).__name__}: {e}") from None
     if magic != _LEGACY_MAGIC:
-        raise InputError(not_torch)
+        raise not_torch(f"it starts with {reprlib.repr(magic)}")
     protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
     if protocol != 1001 or not isinstance(sys_info, dict):
         raise InputError(f"{path}: unsupported legacy torch format (protocol "
@@ -407,9 +454,7 @@ def load_torch(path):
                 TypeError, AttributeError, KeyError, ValueError, OverflowError, MemoryError,
                 RecursionError, NotImplementedError, RuntimeError, OSError) as e:
             # Anything a damaged pickle or zip directory can raise: name the file, not the parser's
-            # internals. (A pickle's counted opcodes, e.g. BINBYTES8, allocate the size they claim
-            # before reading; that memory stays untouched until written, and the read fails at the
-            # end of the data, so a lie costs no real memory.)
+            # internals.
             raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
                              f"{e}); download it again, or save it again with torch.save") from None
 
