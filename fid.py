@@ -21,9 +21,12 @@ import concurrent.futures
 import functools
 import hashlib
 import http.client
+import io
 import math
 import os
 import pickle
+import pickletools
+import reprlib
 import socket
 import struct
 import tempfile
@@ -32,6 +35,7 @@ import types
 import urllib.request
 import warnings
 import zipfile
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +50,38 @@ from tqdm import tqdm
 
 
 #################################################################################
+#                        Errors the user can fix, and the CLI                   #
+#################################################################################
+
+class InputError(ValueError):
+    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
+
+    The message names it and says what to do. The command lines (run_cli) print that message
+    alone, on one line and without a traceback; any other exception is a bug and keeps its
+    traceback. A ValueError, so that code catching bad values catches these too.
+    """
+
+
+def run_cli(main, argv=None):
+    """Run a command line's `main(argv)`. A failure on the user's input, an InputError or an
+    OSError (a missing file, a full disk), ends the process with status 1 and one line on stderr,
+    `error: <message>`."""
+    try:
+        return main(argv)
+    except (InputError, OSError) as e:
+        if isinstance(e, OSError) and e.filename is not None and e.strerror:
+            message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
+        else:
+            message = str(e)
+        # A message can quote another library's error text, which may span lines.
+        raise SystemExit("error: " + " ".join(message.splitlines())) from None
+
+
+#################################################################################
 #                 Restricted Reader for PyTorch Files (no torch)                #
 #################################################################################
 
-class UnsafePickleError(pickle.UnpicklingError):
+class UnsafePickleError(InputError, pickle.UnpicklingError):
     """A pickle asked for a global (class or function) that is not on the allow list."""
 
 
@@ -76,13 +108,57 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f"reader does not support. Nothing from the file was run.") from None
 
 
-def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
-    """Unpickle `fileobj`, resolving a global `module.name` only as `allowed[(module, name)]`.
+class _Recorder:
+    """A file as pickletools.genops reads it, keeping what was read. Reads go in pieces of at most
+    1 MiB, so that a count in a pickle larger than its data allocates no more than the data."""
 
-    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses them
-    for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes" or "latin1".
+    def __init__(self, f):
+        self.f, self.parts = f, []
+
+    def read(self, n):
+        pieces = []
+        while n > 0 and (piece := self.f.read(min(n, 1 << 20))):
+            pieces.append(piece)
+            n -= len(piece)
+        self.parts.append(b"".join(pieces))
+        return self.parts[-1]
+
+    def readline(self):
+        self.parts.append(self.f.readline())
+        return self.parts[-1]
+
+
+def _read_pickle(fileobj):
+    """The bytes of the next pickle in `fileobj`, up to its STOP, after checking its opcodes.
+
+    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
+    and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
+    `LONG_BINPUT 2**30` alone takes 16 GiB. Here every count is read against the data that is
+    really there, and a memo index may not exceed the opcodes before it (a pickler numbers its
+    entries in order), so that no pickle makes the unpickler allocate much more than its own size.
     """
-    return _RestrictedUnpickler(fileobj, allowed, persistent_load, encoding).load()
+    recorder = _Recorder(fileobj)
+    try:
+        for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > seen:
+                raise pickle.UnpicklingError(f"memo index {arg} after only {seen} opcodes: the "
+                                             f"pickle is damaged or crafted")
+    except ValueError as e:  # genops' word for truncated or unknown data
+        raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
+    return b"".join(recorder.parts)
+
+
+def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
+    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
+    `allowed[(module, name)]`.
+
+    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses
+    them for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes"
+    or "latin1". The pickle is read and checked first (_read_pickle), so that it cannot make the
+    unpickler allocate more memory than it holds; a damaged one raises pickle.UnpicklingError.
+    """
+    raw = _read_pickle(fileobj)
+    return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
 
 
 # Storage classes as torch names them in a pickle -> element type of their raw bytes.
@@ -156,17 +232,25 @@ _TORCH_ALLOWED = {
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of torch's legacy (non-zip) format
 
 
-def _storage_id(path, saved_id):
-    """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it."""
+def _storage_id(path, saved_id, file_size):
+    """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it before
+    anything is allocated for the storage: it cannot hold more bytes than the whole file."""
     if not (isinstance(saved_id, tuple) and len(saved_id) in (5, 6) and saved_id[0] == "storage"):
         kind = saved_id[0] if isinstance(saved_id, tuple) and saved_id else saved_id
-        raise ValueError(f"{path}: unsupported persistent id {kind!r} (only tensor storages are read; "
-                         f"save a state_dict rather than a whole module)")
+        raise InputError(f"{path}: unsupported persistent id {reprlib.repr(kind)} (only tensor "
+                         f"storages are read; save a state_dict rather than a whole module)")
     storage_type, key, numel = saved_id[1], str(saved_id[2]), saved_id[4]
     if len(saved_id) == 6 and saved_id[5] is not None:
-        raise ValueError(f"{path}: storage views (files from torch < 0.4) are not supported")
+        raise InputError(f"{path}: storage views (files from torch < 0.4) are not supported; load "
+                         f"the file with torch and save its state_dict again")
     if not isinstance(storage_type, _StorageType) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"{path}: malformed storage record {saved_id!r}")
+        raise InputError(f"{path}: malformed storage record {reprlib.repr(saved_id)}; the file is "
+                         f"damaged or was not written by torch.save")
+    nbytes = numel * storage_type.dtype.itemsize
+    if nbytes > file_size:
+        raise InputError(f"{path}: storage {reprlib.repr(key)} claims {numel} elements ({nbytes} "
+                         f"bytes), more than the whole file ({file_size} bytes); the file is "
+                         f"damaged or was not written by torch.save")
     return storage_type, key, numel
 
 
@@ -174,114 +258,165 @@ def _storage_array(path, storage, raw, little_endian):
     """Raw bytes -> 1-D numpy array of storage.numel elements (bfloat16 widened to float32)."""
     dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
     if len(raw) < storage.numel * dtype.itemsize:
-        raise ValueError(f"{path}: truncated tensor data ({len(raw)} bytes where "
-                         f"{storage.numel * dtype.itemsize} were expected)")
+        raise InputError(f"{path}: truncated tensor data ({len(raw)} bytes where "
+                         f"{storage.numel * dtype.itemsize} were expected); download or save it "
+                         f"again")
     data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
     if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
         data = (data.astype(np.uint32) << 16).view(np.float32)
     return data
 
 
-def _materialize(path, obj):
-    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the file)."""
-    if isinstance(obj, _Tensor):
-        data = obj.storage.data
-        if data is None:
-            raise ValueError(f"{path}: a tensor refers to a storage whose data is missing (truncated file?)")
-        if any(s < 0 for s in obj.size) or any(s < 0 for s in obj.stride) or obj.offset < 0:
-            raise ValueError(f"{path}: tensor with negative size, stride or offset")
-        if 0 in obj.size:
-            return np.zeros(obj.size, data.dtype)
-        # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state dict needs it.
-        if math.prod(obj.size) > data.size:
-            raise ValueError(f"{path}: tensor of size {obj.size} has more elements than its storage "
-                             f"({data.size}); repeated (expanded) tensors are not supported")
-        # The last element a strided view touches must lie inside the storage, or as_strided would read
-        # arbitrary memory.
-        last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
-        if last >= data.size:
-            raise ValueError(f"{path}: tensor of size {obj.size} reaches element {last} of a storage "
-                             f"of {data.size} elements")
-        view = np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size, [s * data.itemsize for s in obj.stride],
-                                               writeable=False)
-        return np.array(view)
-    if isinstance(obj, dict):
-        return {k: _materialize(path, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_materialize(path, v) for v in obj)
-    if isinstance(obj, types.SimpleNamespace):
-        return types.SimpleNamespace(**_materialize(path, vars(obj)))
-    return obj
+def _materialize(path, obj, file_size):
+    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the
+    file).
+
+    A file holds each storage once, but any number of tensors can view one storage, so a few bytes
+    of pickle per tensor could ask for far more memory than the file holds. Only views of one
+    storage (tied weights) make the tensors of a real file larger than the file, so the copies may
+    add up to 8 times its size.
+    """
+    left = 8 * file_size
+
+    def convert(obj):
+        nonlocal left
+        if isinstance(obj, _Tensor):
+            data = obj.storage.data
+            if data is None:
+                raise InputError(f"{path}: a tensor refers to a storage whose data is missing; the "
+                                 f"file is truncated or damaged, download or save it again")
+            if any(s < 0 for s in obj.size) or any(s < 0 for s in obj.stride) or obj.offset < 0:
+                raise InputError(f"{path}: tensor with negative size, stride or offset; the file "
+                                 f"is damaged or was not written by torch.save")
+            if 0 in obj.size:
+                return np.zeros(obj.size, data.dtype)
+            # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state
+            # dict needs it.
+            if math.prod(obj.size) > data.size:
+                raise InputError(f"{path}: tensor of size {obj.size} has more elements than its "
+                                 f"storage ({data.size}); repeated (expanded) tensors are not "
+                                 f"supported, save them with .clone()")
+            # The last element a strided view touches must lie inside the storage, or as_strided
+            # would read arbitrary memory.
+            last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
+            if last >= data.size:
+                raise InputError(f"{path}: tensor of size {obj.size} reaches element {last} of a "
+                                 f"storage of {data.size} elements; the file is damaged")
+            nbytes = math.prod(obj.size) * data.itemsize
+            if nbytes > left:
+                raise InputError(f"{path}: its tensors add up to more than 8 times the file's size "
+                                 f"by viewing the same data over and over; files of model weights "
+                                 f"never do that, so it is damaged or crafted")
+            left -= nbytes
+            view = np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size,
+                                                   [s * data.itemsize for s in obj.stride],
+                                                   writeable=False)
+            return np.array(view)
+        if isinstance(obj, dict):
+            return {k: convert(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(convert(v) for v in obj)
+        if isinstance(obj, types.SimpleNamespace):
+            return types.SimpleNamespace(**convert(vars(obj)))
+        return obj
+
+    return convert(obj)
 
 
-def _load_torch_zip(path, archive):
-    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per storage."""
+def _load_torch_zip(path, archive, file_size):
+    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per
+    storage."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
-        raise ValueError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl inside)")
+        raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl "
+                         f"inside)")
     top = pickles[0][: -len("data.pkl")]
+    left = file_size  # entries of a crafted archive can share bytes; all together fit in the file
+
+    def read(info, what):
+        nonlocal left
+        # torch stores every member uncompressed. Checking sizes before reading means a crafted
+        # archive can make us neither decompress gigabytes nor read one stretch many times over.
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise InputError(f"{path}: {what} is compressed, which torch.save never does; the file "
+                             f"was not written by torch.save")
+        if max(info.file_size, info.compress_size) > left:
+            raise InputError(f"{path}: {what} claims {info.file_size} bytes, more than the file "
+                             f"holds ({file_size} bytes in all); the file is damaged")
+        left -= info.compress_size
+        return archive.read(info)
+
     # Files from before torch 1.10 have no byteorder record; they are little-endian.
-    little_endian = top + "byteorder" not in archive.namelist() or archive.read(top + "byteorder") != b"big"
+    little_endian = (top + "byteorder" not in archive.namelist()
+                     or read(archive.getinfo(top + "byteorder"), "the byteorder record") != b"big")
     storages = {}
 
     def persistent_load(saved_id):
-        storage_type, key, numel = _storage_id(path, saved_id)
+        storage_type, key, numel = _storage_id(path, saved_id, file_size)
         if key not in storages:  # tensors that share a storage share the array
             storages[key] = storage = _Storage(storage_type, numel)
             try:
                 info = archive.getinfo(f"{top}data/{key}")
             except KeyError:
-                raise ValueError(f"{path}: storage {key!r} is missing from the archive") from None
-            # torch stores storages uncompressed; checking the size before reading means a crafted
-            # archive cannot make us decompress gigabytes.
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"{path}: storage {key!r} is compressed, which torch.save never does")
-            if info.file_size != numel * storage_type.dtype.itemsize:
-                raise ValueError(f"{path}: truncated or damaged file (storage {key!r} has {info.file_size} bytes "
-                                 f"where {numel * storage_type.dtype.itemsize} were expected)")
-            raw = archive.read(info)
+                raise InputError(f"{path}: storage {key!r} is missing from the archive; the file "
+                                 f"is truncated or damaged") from None
+            nbytes = numel * storage_type.dtype.itemsize
+            if info.file_size != nbytes:
+                raise InputError(f"{path}: truncated or damaged file (storage {key!r} has "
+                                 f"{info.file_size} bytes where {nbytes} were expected)")
+            raw = read(info, f"storage {key!r}")
             storage.data = _storage_array(path, storage, raw, little_endian)
         return storages[key]
 
-    with archive.open(pickles[0]) as f:
-        return safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
+    raw = read(archive.getinfo(pickles[0]), pickles[0])
+    return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
 
 
-def _load_torch_legacy(path, f):
-    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list of
-    storage keys, then each storage as an int64 element count followed by its raw bytes."""
+def _load_torch_legacy(path, f, file_size):
+    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list
+    of storage keys, then each storage as an int64 element count followed by its raw bytes."""
+    def not_torch(why):
+        return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
+                          f"torch.save pickle; pass the file that torch.save wrote")
+
     try:
         magic = safe_unpickle(f, {})
+    except UnsafePickleError:
+        raise
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
-        raise ValueError(f"{path}: not a PyTorch file (neither a zip archive nor a legacy torch.save "
-                         f"pickle: {e})") from None
+        raise not_torch(f"{type(e).__name__}: {e}") from None
     if magic != _LEGACY_MAGIC:
-        raise ValueError(f"{path}: not a PyTorch file (neither a zip archive nor a legacy torch.save pickle)")
+        raise not_torch(f"it starts with {reprlib.repr(magic)}")
     protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
     if protocol != 1001 or not isinstance(sys_info, dict):
-        raise ValueError(f"{path}: unsupported legacy torch format (protocol {protocol!r})")
+        raise InputError(f"{path}: unsupported legacy torch format (protocol "
+                         f"{reprlib.repr(protocol)}); load it with torch and save it again")
     little_endian = sys_info.get("little_endian", True)
     storages = {}
 
     def persistent_load(saved_id):
-        storage_type, key, numel = _storage_id(path, saved_id)
+        storage_type, key, numel = _storage_id(path, saved_id, file_size)
         return storages.setdefault(key, _Storage(storage_type, numel))
 
     obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
     keys = safe_unpickle(f, {})
     for key in keys:
         if key not in storages:
-            raise ValueError(f"{path}: the storage list names {key!r}, which no tensor uses")
+            raise InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no tensor "
+                             f"uses; the file is damaged")
         storage = storages[key]
         header = f.read(8)
         if len(header) < 8:
-            raise ValueError(f"{path}: truncated file (storage {key!r} is missing)")
+            raise InputError(f"{path}: truncated file (storage {key!r} is missing); download or "
+                             f"save it again")
         count = struct.unpack("<q" if little_endian else ">q", header)[0]
         if count != storage.numel:
-            raise ValueError(f"{path}: storage {key!r} holds {count} elements where {storage.numel} were expected")
+            raise InputError(f"{path}: storage {key!r} holds {count} elements where "
+                             f"{storage.numel} were expected; the file is damaged")
         nbytes = count * storage.storage_type.dtype.itemsize
-        if nbytes > os.fstat(f.fileno()).st_size - f.tell():  # check before reading, so a lie cannot exhaust memory
-            raise ValueError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes)")
+        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
+            raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
+                             f"download or save it again")
         storage.data = _storage_array(path, storage, f.read(nbytes), little_endian)
     return obj
 
@@ -289,36 +424,116 @@ def _load_torch_legacy(path, f):
 def load_torch(path):
     """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
 
-    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the legacy
-    format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any other global in
-    the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come back as float32.
+    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the
+    legacy format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any
+    other global in the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come
+    back as float32. Every size the file claims is checked against the file's own size before
+    memory is allocated for it; a file that fails a check raises InputError naming it.
     """
     with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
         try:
-            if not f.read(4):
-                raise ValueError(f"{path}: the file is empty")
-            f.seek(0)
+            if not file_size:
+                raise InputError(f"{path}: the file is empty; download or save it again")
             if zipfile.is_zipfile(f):
                 with zipfile.ZipFile(f) as archive:
-                    obj = _load_torch_zip(path, archive)
+                    obj = _load_torch_zip(path, archive, file_size)
             else:
                 f.seek(0)
                 if f.read(2) == b"PK":
-                    raise ValueError(f"{path}: a damaged or truncated zip archive")
+                    raise InputError(f"{path}: a damaged or truncated zip archive; download or "
+                                     f"save it again")
                 f.seek(0)
-                obj = _load_torch_legacy(path, f)
-            return _materialize(path, obj)
-        except UnsafePickleError:
+                obj = _load_torch_legacy(path, f, file_size)
+            return _materialize(path, obj, file_size)
+        except UnsafePickleError as e:
+            raise UnsafePickleError(f"{path}: {e}") from None
+        except InputError:
             raise
-        except ValueError as e:
-            if str(e).startswith(f"{path}:"):  # one of ours, already explains itself
-                raise
-            raise ValueError(f"{path}: damaged or truncated PyTorch file ({e})") from None
-        except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError, TypeError,
-                AttributeError, KeyError, OverflowError, MemoryError, RecursionError, NotImplementedError,
-                RuntimeError, OSError) as e:
-            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's internals.
-            raise ValueError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: {e})") from None
+        except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError,
+                TypeError, AttributeError, KeyError, ValueError, OverflowError, MemoryError,
+                RecursionError, NotImplementedError, RuntimeError, OSError) as e:
+            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's
+            # internals.
+            raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
+                             f"{e}); download it again, or save it again with torch.save") from None
+
+
+#################################################################################
+#                         Bounded Reader for .npz Files                         #
+#################################################################################
+
+# Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
+_DEFLATE_MAX_RATIO = 1032
+
+
+def read_npz(path, names=None):
+    """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
+    `names` that it holds (the others are left out, so that the caller can say what is missing).
+
+    np.load allocates whatever an array's header claims before reading it, and reads zip entries
+    that overlap; here every claim is checked first against the bytes that are really there, so
+    that no file makes it allocate more than the file holds (1032 times that for
+    np.savez_compressed). Object arrays, which need pickle, are refused. A file that fails a check
+    raises InputError naming it.
+    """
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        try:
+            with zipfile.ZipFile(f) as archive:
+                members = {n[:-len(".npy")]: n for n in archive.namelist() if n.endswith(".npy")}
+                wanted = members if names is None else [n for n in names if n in members]
+                left = file_size  # entries of a crafted archive can share bytes; not the file's
+                arrays = {}
+                for name in wanted:
+                    info = archive.getinfo(members[name])
+                    if info.compress_size > left:
+                        raise InputError(f"{path}: {name} claims {info.compress_size} bytes, "
+                                         f"more than the file holds; the file is damaged, write "
+                                         f"it again")
+                    left -= info.compress_size
+                    arrays[name] = _read_npy_member(path, archive, info, name)
+                return arrays
+        except InputError:
+            raise
+        except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError, IndexError,
+                struct.error, OverflowError, MemoryError, NotImplementedError, zlib.error) as e:
+            raise InputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e}); it is "
+                             f"damaged or not numpy.savez's output, write it again") from None
+
+
+def _read_npy_member(path, archive, info, name):
+    """One .npy entry of an .npz, its header checked against the entry's size before the array is
+    made."""
+    if info.compress_type == zipfile.ZIP_STORED:
+        bound = info.compress_size
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        bound = _DEFLATE_MAX_RATIO * info.compress_size
+    else:
+        raise InputError(f"{path}: {name} is compressed with zip method {info.compress_type}; "
+                         f"numpy.savez and savez_compressed write stored or deflated entries, "
+                         f"write it with them")
+    if info.file_size > bound:
+        raise InputError(f"{path}: {name} claims {info.file_size} bytes from {info.compress_size} "
+                         f"stored; the file is damaged or crafted")
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise InputError(f"{path}: {name} is in .npy format {version}, which is not read here; "
+                             f"save it with numpy.savez")
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read_header(f)
+        if dtype.hasobject:
+            raise InputError(f"{path}: {name} holds Python objects, which only pickle can read "
+                             f"(and a pickle can run code); refused. Save plain numeric arrays")
+        nbytes, stored = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+        if any(n < 0 for n in shape) or nbytes != stored:
+            raise InputError(f"{path}: {name} claims shape {shape} of {dtype} ({nbytes} bytes) but "
+                             f"holds {stored} bytes; the file is damaged or truncated, write it "
+                             f"again")
+        f.seek(0)  # read_array reads the header again, then the number of bytes checked here
+        return np.lib.format.read_array(f, allow_pickle=False)
 
 
 #################################################################################
@@ -586,16 +801,17 @@ def download(url, path, digest=None, algorithm="sha256"):
                                 f"elsewhere and put it at {path}") from None
     if digest is not None and hasher.hexdigest() != digest:
         os.remove(tmp)
-        raise ValueError(f"the download of {url} is corrupted: its {algorithm} is {hasher.hexdigest()}, the "
-                         f"published one is {digest}. Try again, or put a good copy at {path}")
+        raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
+                         f"{hasher.hexdigest()}, the published one is {digest}. Try again, or put "
+                         f"a good copy at {path}")
     os.replace(tmp, path)
 
 
 def _convert_torch_weights(state_dict, source):
     """pytorch-fid's state dict -> {"Mixed_5b/branch1x1/conv/kernel": array, ...} in the NNX model's layout."""
     if not (isinstance(state_dict, dict) and all(isinstance(v, np.ndarray) for v in state_dict.values())):
-        raise ValueError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of tensors). "
-                         f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
+        raise InputError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
+                         f"tensors). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     params = {}
     for key, value in state_dict.items():
         *module, name = key.split(".")
@@ -631,8 +847,8 @@ def _build_inception(params, source):
             return ", ".join(map(_torch_key, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
         problems = [f"{label}: {show(keys)}" for label, keys in
                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
-        raise ValueError(f"{source}: not pytorch-fid's FID Inception weights ({'; '.join(problems)}). "
-                         f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
+        raise InputError(f"{source}: not pytorch-fid's FID Inception weights "
+                         f"({'; '.join(problems)}). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
         {tuple(key.split("/")): jnp.asarray(value) for key, value in params.items()}))
     return nnx.merge(graphdef, state)
@@ -655,26 +871,28 @@ def load_inception(path=None, cache_dir=None):
         raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's {FID_WEIGHTS_NAME} "
                                 f"(from {FID_WEIGHTS_URL}) or leave the path out to download it")
     digest = file_digest(path)
-    if digest != FID_WEIGHTS_SHA256:
-        if os.path.basename(path) == FID_WEIGHTS_NAME:
-            raise ValueError(f"{path}: sha256 {digest} differs from the official {FID_WEIGHTS_SHA256}; the file is "
-                             f"damaged or incomplete. Delete it and run again to download it afresh")
-        warnings.warn(f"{path} is not pytorch-fid's official Inception weights (sha256 {digest[:12]}...): FID and "
-                      f"Inception Score computed with it are not comparable with published numbers")
+    if digest != FID_WEIGHTS_SHA256 and os.path.basename(path) == FID_WEIGHTS_NAME:
+        raise InputError(f"{path}: sha256 {digest} differs from the official "
+                         f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
+                         f"and run again to download it afresh")
     converted = os.path.join(cache_dir, f"inception-{digest[:16]}.npz")
     if os.path.exists(converted):
-        with np.load(converted) as f:
-            return _build_inception(dict(f), path)
-    params = _convert_torch_weights(load_torch(path), path)
-    inception = _build_inception(params, path)  # checks the weights before they are cached
-    try:  # write then rename, so that an interrupted run never leaves half a cache file
-        os.makedirs(cache_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
-            np.savez(f, **params)
-        os.replace(f.name, converted)
-    except OSError as e:
-        warnings.warn(f"could not cache the converted Inception weights in {cache_dir} ({e}); "
-                      f"they will be converted again next time")
+        inception = _build_inception(read_npz(converted), path)
+    else:
+        params = _convert_torch_weights(load_torch(path), path)
+        inception = _build_inception(params, path)  # checks the weights before they are cached
+        try:  # write then rename, so that an interrupted run never leaves half a cache file
+            os.makedirs(cache_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
+                np.savez(f, **params)
+            os.replace(f.name, converted)
+        except OSError as e:
+            warnings.warn(f"could not cache the converted Inception weights in {cache_dir} ({e}); "
+                          f"they will be converted again next time")
+    if digest != FID_WEIGHTS_SHA256:  # only once the file has loaded: a failed run ends in one line
+        warnings.warn(f"{path} is not pytorch-fid's official Inception weights (sha256 "
+                      f"{digest[:12]}...): FID and Inception Score computed with it are not "
+                      f"comparable with published numbers")
     return inception
 
 
@@ -716,7 +934,8 @@ class FeatureStats:
     def mu_sigma(self):
         """(mu (D,), sigma (D, D)); warns when too few samples give a singular covariance."""
         if self.count < 2:
-            raise ValueError(f"a covariance needs at least 2 images, got {self.count}")
+            raise InputError(f"a covariance needs at least 2 images, got {self.count}; give more "
+                             f"images")
         dim = len(self.mean)
         if self.count <= dim:
             warnings.warn(f"only {self.count} images for {dim}-d features: the covariance has rank at most "
@@ -735,8 +954,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
     sigma1, sigma2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (len(mu1), len(mu1)):
-        raise ValueError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma {sigma1.shape} vs "
-                         f"{sigma2.shape}; both must come from the same features (2048-d pool3 for FID)")
+        raise InputError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma "
+                         f"{sigma1.shape} vs {sigma2.shape}; both must come from the same features "
+                         f"(2048-d pool3 for FID)")
     diff = mu1 - mu2
     covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
@@ -745,8 +965,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
         covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
     if np.iscomplexobj(covmean):
         if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
-            raise ValueError(f"imaginary component {np.max(np.abs(covmean.imag))} in sqrt(sigma1 sigma2): "
-                             f"the statistics are not valid covariance matrices")
+            raise InputError(f"imaginary component {np.max(np.abs(covmean.imag))} in "
+                             f"sqrt(sigma1 sigma2): the statistics are not valid covariance "
+                             f"matrices; compute them again with `python fid.py stats`")
         covmean = covmean.real
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
 
@@ -760,7 +981,8 @@ def inception_score(logits, splits=10):
     """
     logits = np.asarray(logits, np.float64)
     if len(logits) < splits:
-        raise ValueError(f"Inception Score with {splits} splits needs at least {splits} images, got {len(logits)}")
+        raise InputError(f"Inception Score with {splits} splits needs at least {splits} images, "
+                         f"got {len(logits)}; give more images")
     log_p = logits - scipy.special.logsumexp(logits, axis=1, keepdims=True)  # (N, 1008): log p(y|x)
     scores = []
     for part in np.array_split(log_p, splits):
@@ -777,14 +999,18 @@ def save_statistics(path, mu, sigma):
 
 def load_statistics(path):
     """(mu, sigma) from a pytorch-fid .npz or an OpenAI reference batch (which keeps `arr_0` beside them)."""
-    with np.load(path) as f:
-        if "mu" not in f or "sigma" not in f:
-            raise ValueError(f"{path} holds {sorted(f.files)}, not FID statistics (`mu` and `sigma`); for an .npz "
-                             f"of images (`arr_0`) compute them with `python fid.py stats {path} OUT.npz`")
-        mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
-    if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
-        raise ValueError(f"{path}: mu {mu.shape} and sigma {sigma.shape} are not a (D,) mean and (D, D) covariance")
-    return mu, sigma
+    stats = read_npz(path, ["mu", "sigma"])
+    if len(stats) < 2:
+        raise InputError(f"{path} has no `mu` and `sigma`, so it is not FID statistics; for an "
+                         f".npz of images (`arr_0`) compute them with `python fid.py stats {path} "
+                         f"OUT.npz`")
+    mu, sigma = stats["mu"], stats["sigma"]
+    if (mu.ndim != 1 or sigma.shape != (len(mu), len(mu))
+            or mu.dtype.kind not in "fiu" or sigma.dtype.kind not in "fiu"):
+        raise InputError(f"{path}: mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape} "
+                         f"are not a real (D,) mean and (D, D) covariance; compute them with "
+                         f"`python fid.py stats`")
+    return mu.astype(np.float64), sigma.astype(np.float64)
 
 
 #################################################################################
@@ -836,16 +1062,17 @@ class InceptionFeatures:
         """Add this process's images: uint8 (N, H, W, 3), N may be 0; all calls must share H and W."""
         images = np.asarray(images)
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
-            raise ValueError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} {images.shape}; "
-                             f"convert floats in [0, 1] with (x * 255).round().clip(0, 255).astype(np.uint8)")
+            raise InputError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} "
+                             f"{images.shape}; convert floats in [0, 1] with "
+                             f"(x * 255).round().clip(0, 255).astype(np.uint8)")
         # Every process must run the same number of steps on the same shapes, so agree on both first.
         sizes = _allgather(np.array([len(images), *images.shape[1:3]], np.int64))  # (P, 3): N, H, W per process
         shapes = {tuple(size[1:]) for size in sizes if size[0] > 0}
         if self.image_shape is not None:
             shapes.add(self.image_shape)
         if len(shapes) > 1:
-            raise ValueError(f"images of different sizes {sorted(shapes)}: FID needs images of one size; "
-                             f"resize or crop them all to the same height and width first")
+            raise InputError(f"images of different sizes {sorted(shapes)}: FID needs images of one "
+                             f"size; resize or crop them all to the same height and width first")
         most = sizes[:, 0].max()
         if most == 0:
             return
@@ -898,20 +1125,28 @@ class ImageFolder:
         self.paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
                             if f.lower().endswith(IMAGE_EXTENSIONS))
         if not self.paths:
-            raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
+            raise InputError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}; give a "
+                             f"folder that holds some")
         self.shape = self._read(self.paths[0]).shape
         self.pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
 
     @staticmethod
     def _read(path):
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
+        try:
+            with Image.open(path) as image:
+                return np.asarray(image.convert("RGB"))
+        # PIL raises these on malformed files, and its messages do not always name the file.
+        except (OSError, ValueError, SyntaxError, EOFError, struct.error,
+                Image.DecompressionBombError) as e:
+            raise InputError(f"{path} is not a readable image ({type(e).__name__}: {e}); remove or "
+                             f"replace it") from None
 
     def _read_checked(self, path):
         image = self._read(path)
         if image.shape != self.shape:
-            raise ValueError(f"{path} is {image.shape[1]}x{image.shape[0]} but {self.paths[0]} is "
-                             f"{self.shape[1]}x{self.shape[0]}: FID needs images of one size; resize or crop them")
+            raise InputError(f"{path} is {image.shape[1]}x{image.shape[0]} but {self.paths[0]} "
+                             f"is {self.shape[1]}x{self.shape[0]}: FID needs images of one size; "
+                             f"resize or crop them")
         return image
 
     def __len__(self):
@@ -931,11 +1166,17 @@ def load_images(source):
     if not os.path.isfile(source):
         raise FileNotFoundError(f"{source}: no such folder or file")
     if not source.endswith(".npz"):
-        raise ValueError(f"{source}: expected a folder of images or an .npz with the images in `arr_0`")
-    with np.load(source) as f:
-        if "arr_0" not in f:
-            raise ValueError(f"{source} holds {sorted(f.files)}, no images (`arr_0`, uint8 (N, H, W, 3))")
-        return f["arr_0"]
+        raise InputError(f"{source}: expected a folder of images or an .npz with the images in "
+                         f"`arr_0`")
+    images = read_npz(source, ["arr_0"]).get("arr_0")
+    if images is None:
+        raise InputError(f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
+                         f"of images or an .npz of them")
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise InputError(f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
+                         f"(N, H, W, 3); convert floats in [0, 1] with "
+                         f"(x * 255).round().clip(0, 255).astype(np.uint8)")
+    return images
 
 
 def image_statistics(images, inception, batch_size=128, progress=True):
@@ -980,10 +1221,8 @@ def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=Tr
 
 
 def _is_statistics_file(source):
-    if not (source.endswith(".npz") and os.path.isfile(source)):
-        return False
-    with np.load(source) as f:
-        return "mu" in f and "sigma" in f
+    return (source.endswith(".npz") and os.path.isfile(source)
+            and len(read_npz(source, ["mu", "sigma"])) == 2)
 
 
 def benchmark(batch_sizes, image_size=256, steps=5):
@@ -1010,6 +1249,21 @@ def benchmark(batch_sizes, image_size=256, steps=5):
         print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
 
 
+def positive_int(text):
+    """The argparse type of sizes and counts: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _positive_ints(text):
+    return [positive_int(part) for part in text.split(",")]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="FID and Inception Score with pytorch-fid's InceptionV3, in JAX. "
                                      "A source is a folder of images, an .npz of uint8 images (arr_0) or, "
@@ -1025,22 +1279,24 @@ def main(argv=None):
     score.add_argument("source")
     for command in (stats, distance, score):
         command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, else download)")
-        command.add_argument("--batch-size", type=int, default=128, help="images per device per step")
+        command.add_argument("--batch-size", type=positive_int, default=128,
+                             help="images per device per step")
     bench = commands.add_parser("bench", help="images/s of the feature extractor")
-    bench.add_argument("--batch-sizes", default=None, help="per-device batch sizes, comma-separated")
-    bench.add_argument("--image-size", type=int, default=256)
+    bench.add_argument("--batch-sizes", type=_positive_ints, default=None,
+                       help="per-device batch sizes, comma-separated")
+    bench.add_argument("--image-size", type=positive_int, default=256)
     args = parser.parse_args(argv)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
 
     if args.command == "bench":
-        default = "4,8,16" if jax.default_backend() == "cpu" else "32,64,128,256,512"
-        benchmark([int(b) for b in (args.batch_sizes or default).split(",")], args.image_size)
+        default = [4, 8, 16] if jax.default_backend() == "cpu" else [32, 64, 128, 256, 512]
+        benchmark(args.batch_sizes or default, args.image_size)
         return
     inception = None
 
     def statistics(source, need_images=False):
         nonlocal inception
-        if _is_statistics_file(source) and not need_images:
+        if not need_images and _is_statistics_file(source):
             return load_statistics(source) + (None,)
         images = load_images(source)  # bad sources fail before the weights are fetched
         inception = inception or load_inception(args.weights)
@@ -1050,7 +1306,8 @@ def main(argv=None):
 
     if args.command == "stats":
         if _is_statistics_file(args.source):
-            raise SystemExit(f"{args.source} already holds statistics (mu, sigma); give images to compute them from")
+            raise InputError(f"{args.source} already holds statistics (mu, sigma); give images to "
+                             f"compute them from")
         mu, sigma, _ = statistics(args.source)
         if jax.process_index() == 0:
             save_statistics(args.out, mu, sigma)
@@ -1065,7 +1322,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError, RuntimeError, pickle.UnpicklingError) as e:  # bad input or weights: the message says what to do
-        raise SystemExit(f"error: {e}")
+    run_cli(main)

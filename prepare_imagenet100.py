@@ -24,7 +24,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import pickle
 import sys
 import time
 
@@ -71,7 +70,9 @@ def find_images(src, split, classes=None):
     if classes is None:
         classes = sorted(class_dirs)
     elif extra := sorted(set(class_dirs) - set(classes)):
-        raise ValueError(f"{split} has class folders that the training split lacks: {extra}")
+        raise fid.InputError(f"{split} has class folders that the training split lacks: {extra}; "
+                             f"prepare the training split again with them, or {split} into "
+                             f"another output folder")
     warnings, files, labels = [], [], []
     for label, wnid in enumerate(classes):
         names = [os.path.join(d, f) for d in class_dirs.get(wnid, [])
@@ -153,12 +154,44 @@ def write_json(path, obj):
     write_atomically(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
-def read_json(path):
+def read_json(path, valid, expected, fix):
+    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
+    and saying `fix`, rather than later as a KeyError."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); if a tool wrote it, delete it and run again") from None
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise fid.InputError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not valid(obj):
+        raise fid.InputError(f"{path} is not {expected}; {fix}")
+    return obj
+
+
+def is_manifest(m):
+    """Whether `m` has what main and write_outputs use of an earlier run's manifest.json."""
+    if not isinstance(m, dict):
+        return False
+    chunks, counts = m.get("chunks_done"), m.get("counts")
+    return (isinstance(m.get("settings"), dict)
+            and isinstance(m.get("seconds"), (int, float)) and isinstance(chunks, dict)
+            and all(isinstance(chunk, dict) and all(isinstance(why, str) for why in chunk.values())
+                    for chunk in chunks.values())
+            and (not m.get("complete")
+                 or isinstance(counts, dict) and isinstance(counts.get("images"), int)))
+
+
+def open_partial(path, mode, dtype, shape):
+    """A memory map of the rows being filled. One left by an interrupted run must be what this run
+    would make, or the rows would land in the wrong places."""
+    fix = "delete it to prepare this split again from the start"
+    try:
+        array = np.lib.format.open_memmap(path, mode, dtype, shape)
+    except ValueError as e:  # a damaged header, or a file shorter than its header says
+        raise fid.InputError(f"{path} from an interrupted run is damaged ({e}); {fix}") from None
+    if array.dtype != dtype or array.shape != shape:
+        raise fid.InputError(f"{path} from an interrupted run holds {array.dtype} {array.shape}, "
+                             f"not {np.dtype(dtype)} {shape}; {fix}")
+    return array
 
 
 def parse_args(argv):
@@ -166,12 +199,17 @@ def parse_args(argv):
     p.add_argument("src", help="Kaggle ImageNet-100 folder (train.X1..X4, val.X, Labels.json) or class-folder tree")
     p.add_argument("out", help="output folder (the val split goes into OUT/val)")
     p.add_argument("--split", choices=["train", "val"], default="train")
-    p.add_argument("--resolution", type=int, default=256, help="centre-crop size the VAE encodes")
-    p.add_argument("--pixels", type=int, metavar="R", help="store uint8 R x R images instead of latents (no VAE)")
+    p.add_argument("--resolution", type=fid.positive_int, default=256,
+                   help="centre-crop size the VAE encodes")
+    p.add_argument("--pixels", type=fid.positive_int, metavar="R",
+                   help="store uint8 R x R images instead of latents (no VAE)")
     p.add_argument("--vae", default="ema", help="'ema', 'mse', a diffusers VAE folder or a weight file")
-    p.add_argument("--batch-size", type=int, default=32, help="global encoding batch (a multiple of the device count)")
-    p.add_argument("--chunk-size", type=int, default=2048, help="images per resumable chunk")
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="image-decoding threads")
+    p.add_argument("--batch-size", type=fid.positive_int, default=32,
+                   help="global encoding batch (a multiple of the device count)")
+    p.add_argument("--chunk-size", type=fid.positive_int, default=2048,
+                   help="images per resumable chunk")
+    p.add_argument("--workers", type=fid.positive_int, default=os.cpu_count(),
+                   help="image-decoding threads")
     p.add_argument("--no-fid", action="store_true", help="skip the FID reference statistics")
     p.add_argument("--inception", help="pytorch-fid Inception weights (default: fid.py's cache/download)")
     return p.parse_args(argv)
@@ -181,21 +219,27 @@ def main(argv=None):
     args = parse_args(argv)
     src, out = os.path.abspath(args.src), os.path.join(args.out, "val") if args.split == "val" else args.out
     size = args.pixels or args.resolution
-    if size <= 0 or args.batch_size <= 0 or args.chunk_size <= 0:
-        raise SystemExit("--resolution/--pixels, --batch-size and --chunk-size must be positive")
     os.makedirs(out, exist_ok=True)
     manifest_path = os.path.join(out, "manifest.json")
-    manifest = read_json(manifest_path) if os.path.exists(manifest_path) else None
+    manifest = None
+    if os.path.exists(manifest_path):
+        manifest = read_json(manifest_path, is_manifest, "the manifest of a run of this program",
+                             f"delete {out} to prepare this split again from the start")
 
     # val keeps train's labels when train was prepared first into the same OUT
     train_classes, labels_json = os.path.join(args.out, "classes.json"), os.path.join(src, "Labels.json")
     pinned = None
     if args.split == "val" and os.path.exists(train_classes):
-        pinned = [c["wnid"] for c in read_json(train_classes)]
+        valid = lambda c: isinstance(c, list) and all(
+            isinstance(e, dict) and isinstance(e.get("wnid"), str) for e in c)
+        pinned = [c["wnid"] for c in read_json(train_classes, valid, 'a list of {"wnid", "name"}',
+                                               "prepare the training split again")]
     classes, files, labels, warnings = find_images(src, args.split, pinned)
-    names = read_json(labels_json) if os.path.exists(labels_json) else {}
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
+    names = {}
+    if os.path.exists(labels_json):
+        valid = lambda n: isinstance(n, dict) and all(isinstance(v, str) for v in n.values())
+        names = read_json(labels_json, valid, "an object of wnid: class name",
+                          "fix it, or delete it to name the classes by their wnids")
     settings = {"split": args.split, "source": src, "resolution": size, "pixels": bool(args.pixels),
                 "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size, "fid": not args.no_fid,
                 "inception": None if args.no_fid else args.inception,
@@ -203,8 +247,9 @@ def main(argv=None):
     if manifest and manifest["settings"] != settings:
         diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items() if manifest["settings"].get(k) != v}
         which = "a finished" if manifest.get("complete") else "an unfinished"
-        raise SystemExit(f"{out} holds {which} run with other settings {diff} (old, new); rerun with the old "
-                         f"arguments, or use another output folder (or delete {out}) to start over")
+        raise fid.InputError(f"{out} holds {which} run with other settings {diff} (old, new); "
+                             f"rerun with the old arguments, or use another output folder (or "
+                             f"delete {out}) to start over")
     if manifest and manifest.get("complete"):
         print(f"{out} is already complete ({manifest['counts']['images']} images); delete it to prepare again")
         return manifest
@@ -216,9 +261,14 @@ def main(argv=None):
         vae = load_vae(args.vae)
         f = 2 ** (len(vae.cfg.block_out_channels) - 1)
         if size % f:
-            raise SystemExit(f"--resolution {size} is not a multiple of the VAE's downsampling factor {f}")
+            raise fid.InputError(f"--resolution {size} is not a multiple of the VAE's downsampling "
+                                 f"factor {f}; pick one that is")
         latent_shape = [size // f, size // f, vae.cfg.latent_channels]
         name, dtype, row_shape = "latents", np.float16, (2, size // f, size // f, 2 * vae.cfg.latent_channels)
+    inception = None if args.no_fid else fid.load_inception(args.inception)
+    # Printed once every input has loaded, so that a run failing on one ends in its one error line.
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
 
     # One row per file, broken ones included (they are found while decoding); the final copy drops those.
     partials = {name: (dtype, row_shape)} | ({} if args.no_fid else {"inception": (np.float32, (2048,))})
@@ -226,12 +276,11 @@ def main(argv=None):
     if not manifest or not all(os.path.exists(p) for p in paths.values()):
         manifest = {"settings": settings, "chunks_done": {}, "seconds": 0.0}
     mode = "r+" if manifest["chunks_done"] else "w+"
-    arrays = {k: np.lib.format.open_memmap(paths[k], mode, dt, (len(files), *shape))
+    arrays = {k: open_partial(paths[k], mode, dt, (len(files), *shape))
               for k, (dt, shape) in partials.items()}
     manifest.update(classes=len(classes), warnings=warnings, latent_shape=latent_shape,
                     scaling_factor=vae.cfg.scaling_factor if vae else None, complete=False)
 
-    inception = None if args.no_fid else fid.load_inception(args.inception)
     run = encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path)
     write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run)
     del arrays  # close the memory maps before deleting their files
@@ -297,7 +346,9 @@ def write_outputs(out, name, files, labels, classes, names, arrays, manifest, ma
     skipped = {file: why for chunk in manifest["chunks_done"].values() for file, why in chunk.items()}
     kept = np.flatnonzero([f not in skipped for f in files])
     if not len(kept):
-        raise SystemExit(f"none of the {len(files)} files under {manifest['settings']['source']} could be read")
+        source = manifest["settings"]["source"]
+        raise fid.InputError(f"none of the {len(files)} files under {source} could be read; the "
+                             f"skipped files and why are in manifest.json")
     rows = arrays[name]
     final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", rows.dtype, (len(kept), *rows.shape[1:]))
     for i in range(0, len(kept), 4096):  # in blocks: all latents need not fit in memory
@@ -336,7 +387,4 @@ def print_summary(args, out, manifest):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # bad input: the message says what to do
-        raise SystemExit(f"error: {e}")
+    fid.run_cli(main)
