@@ -96,6 +96,12 @@ class DiTConfig:
     class_dropout_prob: float = 0.1  # > 0 adds the null label that classifier-free guidance needs
     num_classes: int = 1000          # 0 trains an unconditional model
     learn_sigma: bool = True         # DDPM with learned variance doubles the output channels
+    # Changes that later work found to help at DiT's scale, each on its own switch; all off is the
+    # paper's DiT, and ARCHS names the set that the README's ablation kept.
+    qk_norm: bool = False            # RMSNorm on each head's queries and keys
+    rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
+    swiglu: bool = False             # a SwiGLU feed-forward layer of the same parameter count
+    rope: bool = False               # 2-D rotary position embeddings, beside the sin-cos table
 
     @property
     def grid(self):
@@ -108,6 +114,11 @@ class DiTConfig:
     @property
     def out_channels(self):
         return 2 * self.in_channels if self.learn_sigma else self.in_channels
+
+
+# The named architectures: the paper's DiT, and DiT+ with the changes of the README's ablation that
+# improved DiT-S/2 within its parameter budget.
+ARCHS = {"dit": dict(), "dit+": dict(qk_norm=True, rms_norm=True, swiglu=True, rope=True)}
 
 
 def dit_config(name, **overrides):
@@ -212,13 +223,22 @@ def layer_norm(x, eps=1e-6):
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
+@jax.checkpoint
+def rms_norm(x, eps=1e-6):
+    """RMSNorm (Zhang & Sennrich 2019), the rms_norm alternative to layer_norm: no mean is
+    subtracted, so the tokens keep their offset; no affine parameters, float32, recomputed, as
+    layer_norm."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 class PatchEmbed(nnx.Module):
     """Patchify (Sec. 3.2, Fig. 4): each non-overlapping p x p patch becomes one token, by a linear
     map that a p x p convolution with stride p computes."""
 
     def __init__(self, in_channels, hidden_size, patch_size, *, dtype, rngs):
-        # Xavier over the flattened patch, as the official code computes it on the weight's
-        # 2-D view.
+        # Xavier over the flattened patch, as the official code computes it on the weight's 2-D
+        # view.
         init = nnx.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=(0, 1, 2),
                                                  out_axis=-1)
         self.proj = nnx.Conv(in_channels, hidden_size, (patch_size, patch_size), strides=patch_size,
@@ -229,20 +249,73 @@ class PatchEmbed(nnx.Module):
         return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-class Attention(nnx.Module):
-    """Multi-head self-attention with a fused qkv projection (timm's Attention, which DiT uses)."""
+def rope_tables(head_dim, grid):
+    """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021, in 2-D as
+    EVA-02 and LightningDiT use them) for a grid x grid layout of patches, row-major.
 
-    def __init__(self, dim, num_heads, *, dtype, rngs):
+    Channel i of a head is rotated together with channel i + head_dim/2 by an angle: in the first
+    half of the pairs the patch's row times a frequency, in the second half its column; the
+    frequencies fall from 1 to 1/10000 over each half."""
+    freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
+    rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
+    angles = np.concatenate([angles, angles], axis=1)                     # (T, head_dim)
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by the angles of
+    rope_tables: then q . k depends on the two patches' positions only through their offset."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[:, None].astype(x.dtype) + rotated * sin[:, None].astype(x.dtype)
+
+
+def attention_implementation(dtype, head_dim, device=None):
+    """"cudnn" where cuDNN's fused flash attention runs: NVIDIA GPUs from Ampere on (compute
+    capability 8.0), 16-bit floats, head sizes that are multiples of 8 up to 128. It never builds
+    the (B, H, T, T) attention weights in memory. "xla" elsewhere (CPUs, TPUs, older GPUs, float32),
+    XLA's own attention, which the exactness tests check."""
+    device = device or jax.devices()[0]
+    capability = float(getattr(device, "compute_capability", 0) or 0)
+    if (device.platform == "gpu" and capability >= 8.0 and dtype in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return "xla"
+
+
+class Attention(nnx.Module):
+    """Multi-head self-attention with a fused qkv projection (timm's Attention, which DiT uses).
+    With qk_norm, each head's queries and keys are RMS-normalised with a learned scale before they
+    meet, which bounds the attention logits (SD3, Esser et al. 2024, Sec. 5.3.2)."""
+
+    def __init__(self, dim, num_heads, qk_norm=False, *, dtype, rngs):
         self.num_heads = num_heads
         self.qkv = nnx.Linear(dim, 3 * dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
         self.proj = nnx.Linear(dim, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
+        if qk_norm:
+            self.q_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):  # (B, T, D)
+    def __call__(self, x, rope=None):  # x (B, T, D); rope: rope_tables' (cos, sin) or None
         B, T, D = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
-        q, k, v = qkv.transpose(2, 0, 1, 3, 4)        # each (B, T, H, D/H)
-        out = jax.nn.dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(D/H)) v, (B, T, H, D/H)
+        q, k, v = qkv.transpose(2, 0, 1, 3, 4)  # each (B, T, H, D/H)
+        if hasattr(self, "q_norm") or rope is not None:
+            # recomputed in the backward pass, like layer_norm: kept, the float32 normalisation and
+            # the rotation would keep four more (B, T, D) tensors
+            q, k = nnx.remat(Attention.queries_and_keys)(self, q, k, rope)
+        # softmax(q k^T / sqrt(D/H)) v, (B, T, H, D/H)
+        out = jax.nn.dot_product_attention(
+            q, k, v, implementation=attention_implementation(q.dtype, D // self.num_heads))
         return self.proj(out.reshape(B, T, D))
+
+    def queries_and_keys(self, q, k, rope):  # q, k (B, T, H, D/H)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k
 
 
 @jax.checkpoint
@@ -264,6 +337,26 @@ class Mlp(nnx.Module):
         return self.fc2(gelu(self.fc1(x)))
 
 
+@jax.checkpoint
+def swish_gate(a, b):
+    """silu(a) * b, recomputed in the backward pass, like gelu."""
+    return jax.nn.silu(a) * b
+
+
+class SwiGLU(nnx.Module):
+    """The swiglu feed-forward layer (Shazeer 2020, "GLU variants improve Transformer"):
+    w3(silu(x w1) * (x w2)), with w1 and w2 fused into w12. Three matrices instead of two: at 2/3
+    of the GELU MLP's width it has the same parameter count."""
+
+    def __init__(self, dim, hidden, *, dtype, rngs):
+        self.w12 = nnx.Linear(dim, 2 * hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
+        self.w3 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):  # (B, T, D) -> (B, T, D)
+        a, b = jnp.split(self.w12(x), 2, axis=-1)
+        return self.w3(swish_gate(a, b))
+
+
 class DiTBlock(nnx.Module):
     """A DiT block with adaLN-Zero conditioning (Sec. 3.2, Fig. 3).
 
@@ -273,57 +366,80 @@ class DiTBlock(nnx.Module):
     (Fig. 5).
     """
 
-    def __init__(self, hidden_size, num_heads, mlp_ratio, *, dtype, rngs):
-        self.attn = Attention(hidden_size, num_heads, dtype=dtype, rngs=rngs)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), dtype=dtype, rngs=rngs)
+    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
+        D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
+        self.norm = rms_norm if cfg.rms_norm else layer_norm
+        self.attn = Attention(D, cfg.num_heads, cfg.qk_norm, dtype=dtype, rngs=rngs)
+        if cfg.swiglu:
+            self.mlp = SwiGLU(D, 2 * hidden // 3, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = Mlp(D, hidden, dtype=dtype, rngs=rngs)
         self.adaLN_modulation = nnx.Sequential(
             nnx.silu,
-            nnx.Linear(hidden_size, 6 * hidden_size, kernel_init=zeros, dtype=dtype, rngs=rngs),
+            nnx.Linear(D, 6 * D, kernel_init=zeros, dtype=dtype, rngs=rngs),
         )
 
-    def __call__(self, x, c):  # x (B, T, D), c (B, D)
+    def __call__(self, x, c, rope=None):  # x (B, T, D), c (B, D)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
             self.adaLN_modulation(c), 6, axis=-1)
-        x = x + gate_msa[:, None] * self.attn(modulate(layer_norm(x), shift_msa, scale_msa))
-        x = x + gate_mlp[:, None] * self.mlp(modulate(layer_norm(x), shift_mlp, scale_mlp))
+        x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa), rope)
+        x = x + gate_mlp[:, None] * self.mlp(modulate(self.norm(x), shift_mlp, scale_mlp))
         return x
 
 
 class FinalLayer(nnx.Module):
     """adaLN-modulated LayerNorm and a zero-initialised linear decoder from tokens to patches."""
 
-    def __init__(self, hidden_size, patch_size, out_channels, *, dtype, rngs):
-        self.linear = nnx.Linear(hidden_size, patch_size * patch_size * out_channels,
-                                 kernel_init=zeros, dtype=dtype, rngs=rngs)
+    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
+        D, p = cfg.hidden_size, cfg.patch_size
+        self.norm = rms_norm if cfg.rms_norm else layer_norm
+        self.linear = nnx.Linear(D, p * p * cfg.out_channels, kernel_init=zeros, dtype=dtype,
+                                 rngs=rngs)
         self.adaLN_modulation = nnx.Sequential(
             nnx.silu,
-            nnx.Linear(hidden_size, 2 * hidden_size, kernel_init=zeros, dtype=dtype, rngs=rngs),
+            nnx.Linear(D, 2 * D, kernel_init=zeros, dtype=dtype, rngs=rngs),
         )
 
     def __call__(self, x, c):  # x (B, T, D), c (B, D) -> (B, T, p*p*C_out)
         shift, scale = jnp.split(self.adaLN_modulation(c), 2, axis=-1)
-        return self.linear(modulate(layer_norm(x), shift, scale))
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+# What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
+# the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
+# norms, modulations, activations and attention from them: little extra compute for half the memory
+# of keeping everything (10 numbers per token and hidden unit instead of 20). "full" keeps only each
+# block's input and recomputes the whole block: a third more compute, for models that fit no other
+# way.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
+
+
+def matmul_precision(dtype):
+    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
+    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes."""
+    if dtype == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
 
 
 class DiT(nnx.Module):
     """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
     (B,) in, the predicted noise (and variance values, when learn_sigma) out, (B, H, W, C_out).
 
-    `dtype` is the compute dtype (bfloat16 for mixed precision); parameters stay float32.
-    `remat` recomputes each block's activations in the backward pass instead of storing them, which
-    trades about a third more compute for the memory that large models need.
+    `dtype` is the compute dtype (bfloat16 or float16 for mixed precision); parameters stay
+    float32. `remat`, a key of REMAT_POLICIES or None, recomputes activations in the backward pass
+    instead of keeping them, for the memory that large models need.
     """
 
-    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=False, rngs: nnx.Rngs):
+    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
-        D, p = cfg.hidden_size, cfg.patch_size
-        self.x_embedder = PatchEmbed(cfg.in_channels, D, p, dtype=dtype, rngs=rngs)
+        D = cfg.hidden_size
+        self.x_embedder = PatchEmbed(cfg.in_channels, D, cfg.patch_size, dtype=dtype, rngs=rngs)
         self.t_embedder = TimestepEmbedder(D, dtype=dtype, rngs=rngs)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob, rngs=rngs)
-        self.blocks = nnx.List([DiTBlock(D, cfg.num_heads, cfg.mlp_ratio, dtype=dtype, rngs=rngs)
-                                for _ in range(cfg.depth)])
-        self.final_layer = FinalLayer(D, p, cfg.out_channels, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([DiTBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
+        self.final_layer = FinalLayer(cfg, dtype=dtype, rngs=rngs)
 
     def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C)
         g, p = self.cfg.grid, self.cfg.patch_size
@@ -333,14 +449,23 @@ class DiT(nnx.Module):
     def __call__(self, x, t, y, drop_key=None):
         """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
         model is unconditional). `drop_key` turns on the random label dropout of training."""
-        x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
-        x = x + jnp.asarray(sincos_pos_embed_2d(self.cfg.hidden_size, self.cfg.grid), self.dtype)
-        c = self.t_embedder(t)                                       # (B, D)
-        if self.cfg.num_classes:
-            c = c + self.y_embedder(y, drop_key)
-        for block in self.blocks:
-            x = nnx.remat(lambda blk, x, c: blk(x, c))(block, x, c) if self.remat else block(x, c)
-        x = self.final_layer(x, c)                                   # (B, T, p*p*C_out)
+        cfg = self.cfg
+        with matmul_precision(self.dtype):
+            x = self.x_embedder(x.astype(self.dtype))                # (B, T, D)
+            x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), self.dtype)
+            c = self.t_embedder(t)                                   # (B, D)
+            if cfg.num_classes:
+                c = c + self.y_embedder(y, drop_key)
+            rope = None
+            if cfg.rope:
+                rope = tuple(jnp.asarray(a) for a in rope_tables(cfg.hidden_size // cfg.num_heads,
+                                                                  cfg.grid))
+            block_fn = lambda blk, x, c: blk(x, c, rope)  # noqa: E731
+            if self.remat:
+                block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[self.remat])
+            for block in self.blocks:
+                x = block_fn(block, x, c)
+            x = self.final_layer(x, c)                               # (B, T, p*p*C_out)
         return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
@@ -557,8 +682,8 @@ class GaussianDiffusion:
 
     def losses_at(self, model_fn, x0, t, noise):
         """Per-sample losses at given step indices t (B,) int and noise like x0 (B, H, W, C)
-        (official training_losses). Returns dict(loss, mse, vb), each (B,); vb is in bits per
-        dimension."""
+        (official training_losses). Returns dict(loss, mse, vb, time), each (B,); vb is in bits
+        per dimension, time is t as a fraction of the chain, in [0, 1)."""
         x_t = (_extract(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
                + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.ndim) * noise)
         model_out = model_fn(x_t, self._model_time(t))  # (B, H, W, 2C)
@@ -577,7 +702,7 @@ class GaussianDiffusion:
         # itself
         vb = jnp.where(t == 0, decoder_nll, kl)
         mse = _mean_flat((noise - eps) ** 2)
-        return {"loss": mse + vb, "mse": mse, "vb": vb}
+        return {"loss": mse + vb, "mse": mse, "vb": vb, "time": t / self.num_timesteps}
 
     def training_losses(self, model_fn, x0, key):
         """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
@@ -662,15 +787,18 @@ class RectifiedFlow:
                              f"(learned variance is DDPM's)")
         return v
 
-    def training_losses(self, model_fn, x0, key):
-        """Per-sample squared error of the velocity, mean over non-batch axes (minRF). Returns
-        dict(loss (B,))."""
-        key_t, key_noise = jax.random.split(key)
-        t = self.sample_timesteps(key_t, x0.shape[0])
-        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
+    def losses_at(self, model_fn, x0, t, noise):
+        """Per-sample squared error of the velocity at times t (B,) in [0, 1] with noise like x0
+        (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, time), each (B,)."""
         t_b = t.reshape((-1,) + (1,) * (x0.ndim - 1))  # (B, 1, 1, 1)
         x_t = (1 - t_b) * x0 + t_b * noise
-        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2)}
+        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2), "time": t}
+
+    def training_losses(self, model_fn, x0, key):
+        """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
+        key_t, key_noise = jax.random.split(key)
+        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
+        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise)
 
     def sample(self, model_fn, noise, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
@@ -715,22 +843,45 @@ def make_objective(name, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
     raise ValueError(f"unknown objective {name!r}; use 'rf' or 'ddpm'")
 
 
-def make_optimizer(lr, warmup=0, grad_clip=0.0):
-    """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4); optional
-    linear warm-up and clipping of the global gradient norm. Returns (optimizer, schedule)."""
+def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
+    """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4, betas 0.9
+    and 0.999); optional linear warm-up and clipping of the global gradient norm. Returns
+    (optimizer, schedule)."""
     schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
-    adamw = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
-    return (optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip
-            else adamw), schedule
+    adamw = optax.adamw(schedule, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=0.0)
+    if grad_clip:
+        return optax.chain(optax.clip_by_global_norm(grad_clip), adamw), schedule
+    return adamw, schedule
 
 
 def new_train_state(model, tx):
     """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
     DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
-    array by its path (params.blocks.0.attn.qkv.kernel, ...)."""
+    array by its path (params.blocks.0.attn.qkv.kernel, ...). A float16 model adds the state of its
+    loss scaling: float16's smallest normal number is 6e-5, and the small gradients of training
+    would round to zero unless the loss is scaled up first."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params,
+             "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
+    if model.dtype == jnp.float16:
+        state |= {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
+    return state
+
+
+def update_loss_scale(state, new_state, finite, period=2000):
+    """Dynamic loss scaling (Micikevicius et al. 2018): a step whose gradients overflowed is
+    skipped and the scale halved; after `period` good steps in a row the scale doubles. The step
+    count goes on either way, so that the data and random numbers stay those of step s."""
+    keep = {**jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state),
+            "step": new_state["step"]}
+    good = jnp.where(finite, state["good_steps"] + 1, 0)
+    scale = jnp.where(finite, jnp.where(good == period, 2.0, 1.0), 0.5) * state["loss_scale"]
+    return keep | {"loss_scale": scale, "good_steps": good % period}
+
+
+# The training loss is also logged by noise level, the time t in [0, 1) of either objective, in this
+# many equal ranges: where the model is weak.
+LOSS_BINS = 4
 
 
 def make_train_step(graphdef, objective, tx, ema_decay, seed):
@@ -742,22 +893,53 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
     def train_step(state, x, y):  # x (B, H, W, C), y (B,)
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
         key_objective, key_drop = jax.random.split(key)
+        scale = state.get("loss_scale", 1.0)
 
         def loss_fn(params):
             model = nnx.merge(graphdef, params)
             model_fn = lambda xt, t: model(xt, t, y, drop_key=key_drop)  # noqa: E731
-            return objective.training_losses(model_fn, x, key_objective)["loss"].mean()
+            losses = objective.training_losses(model_fn, x, key_objective)
+            return losses["loss"].mean() * scale, losses
 
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # DiT keeps an exponential moving average of the weights and samples from it.
         ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
-        new_state = {"step": state["step"] + 1, "params": params, "ema": ema,
+        new_state = {**state, "step": state["step"] + 1, "params": params, "ema": ema,
                      "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        grad_norm = optax.tree.norm(grads)
+        bins = jnp.minimum((losses["time"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
+        metrics = {"loss": losses["loss"].mean(), "grad_norm": grad_norm,
+                   "loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
+                   "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
+        if "loss_scale" in state:
+            new_state = update_loss_scale(state, new_state, jnp.isfinite(grad_norm))
+            metrics |= {"loss_scale": state["loss_scale"], "skipped": ~jnp.isfinite(grad_norm)}
+        return new_state, metrics
 
     return train_step
+
+
+# The times (fractions of the way from data to noise) at which the validation loss is measured: the
+# centres of the LOSS_BINS ranges.
+VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
+
+
+def validation_losses(model, objective, x0, y, key):
+    """Per-sample losses (len(VAL_TIMES), B) of held-out x0 (B, H, W, C) with labels y at each of
+    VAL_TIMES, with noise from `key`: the same numbers at every evaluation of the same weights, so
+    that evaluations, runs and architectures compare."""
+    losses = []
+    for i, time in enumerate(VAL_TIMES):
+        noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
+        if isinstance(objective, GaussianDiffusion):
+            t = jnp.full(len(x0), int(time * objective.num_timesteps))
+        else:
+            t = jnp.full(len(x0), time)
+        losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t, noise)["loss"])
+    return jnp.stack(losses)
 
 
 #################################################################################
@@ -1384,6 +1566,30 @@ class Dataset:
             return (h, w, c2 // 2)
         return tuple(self.x.shape[1:])
 
+    def inputs(self, idx, flip, eps=None):
+        """Model inputs x float32 (B, H, W, C) and labels y int32 (B,) (zeros when unconditional)
+        of the samples idx (B,): pixels in [-1, 1] mirrored where flip (B,) is true, or latents
+        z = (mean + std * eps) * latent_scale of the image or, where flip is true, of its stored
+        mirror image, with the noise eps (B, h, w, C)."""
+        if self.is_latent:
+            c = self.input_shape[-1]
+            stats = np.asarray(self.x[idx, flip.astype(np.int64)], np.float32)  # (B, h, w, 2C)
+            x = (stats[..., :c] + stats[..., c:] * eps) * np.float32(self.latent_scale)
+        else:
+            x = np.asarray(self.x[idx], np.float32) / 127.5 - 1.0  # (B, H, W, C)
+            x[flip] = x[flip, :, ::-1]
+        y = (np.zeros(len(idx), np.int32) if self.labels is None
+             else np.asarray(self.labels[idx], np.int32))
+        return x, y
+
+
+def hold_out(n, k):
+    """(training indices, held-out indices) of a dataset of n samples with k held out for the
+    validation loss. The choice depends on n and k alone, not on a run's seed, so that every run
+    and architecture is validated on the same samples."""
+    perm = np.random.default_rng(0).permutation(n)
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
 
 def default_data_dir(name: str) -> str:
     """Where a dataset lives (and is downloaded to) unless data_dir says otherwise."""
@@ -1774,13 +1980,14 @@ class Loader:
     default_rng((seed, s, 1)) drawn for the whole global batch before this process takes its slice.
     So a run resumed at any step sees exactly the batches it would have seen, k processes together
     see what one process would, and batches can be computed in parallel without changing the
-    stream."""
+    stream. `subset` (default: all) are the dataset indices to draw from: those not held out."""
 
     def __init__(self, ds: Dataset, global_batch: int, seed: int, start_step: int = 0,
-                 process_index: int = 0, process_count: int = 1, prefetch: int = 2):
-        if not 0 < global_batch <= len(ds):
-            raise ValueError(f"global batch {global_batch} must be between 1 and the dataset size "
-                             f"({len(ds)})")
+                 process_index: int = 0, process_count: int = 1, prefetch: int = 2, subset=None):
+        self.subset = np.arange(len(ds)) if subset is None else np.asarray(subset)
+        if not 0 < global_batch <= len(self.subset):
+            raise ValueError(f"global batch {global_batch} must be between 1 and the number of "
+                             f"training samples ({len(self.subset)})")
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"process {process_index} of {process_count} does not exist")
         if global_batch % process_count:
@@ -1794,7 +2001,7 @@ class Loader:
         self.local_slice = slice(process_index * self.local_batch,
                                  (process_index + 1) * self.local_batch)
         # the last partial batch of each epoch is dropped
-        self.steps_per_epoch = len(ds) // global_batch
+        self.steps_per_epoch = len(self.subset) // global_batch
         self.prefetch = prefetch
         # (epoch, its permutation), replaced as one tuple so threads never see a mix
         self._perm = (None, None)
@@ -1805,7 +2012,8 @@ class Loader:
         epoch, position = divmod(step, self.steps_per_epoch)
         cached_epoch, perm = self._perm
         if cached_epoch != epoch:
-            perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.ds))
+            rng = np.random.default_rng((self.seed, epoch))
+            perm = self.subset[rng.permutation(len(self.subset))]
             self._perm = (epoch, perm)
         return perm[position * self.global_batch:(position + 1) * self.global_batch]
 
@@ -1813,23 +2021,14 @@ class Loader:
         """This process's (x, y) of one step: x float32 (B, H, W, C), pixels in [-1, 1] or scaled
         latents; y int32 (B,), zeros for unconditional data."""
         ds, G, local = self.ds, self.global_batch, self.local_slice
-        idx = self.indices(step)[local]
         rng = np.random.default_rng((self.seed, step, 1))
+        no_flips, eps = np.zeros(G, bool), None
         if ds.is_latent:
-            h, w, c = ds.input_shape
-            # 0: the image, 1: its flip
-            which = rng.integers(0, 2, G) if ds.flip else np.zeros(G, np.int64)
-            eps = rng.standard_normal((G, h, w, c), dtype=np.float32)
-            stats = np.asarray(ds.x[idx, which[local]], np.float32)  # (B, h, w, 2C)
-            x = (stats[..., :c] + stats[..., c:] * eps[local]) * np.float32(ds.latent_scale)
+            flip = rng.integers(0, 2, G).astype(bool) if ds.flip else no_flips
+            eps = rng.standard_normal((G, *ds.input_shape), dtype=np.float32)[local]
         else:
-            x = np.asarray(ds.x[idx], np.float32) / 127.5 - 1.0  # (B, H, W, C)
-            if ds.flip:
-                flip = (rng.random(G) < 0.5)[local]
-                x[flip] = x[flip, :, ::-1]
-        y = (np.zeros(len(idx), np.int32) if ds.labels is None
-             else np.asarray(ds.labels[idx], np.int32))
-        return x, y
+            flip = (rng.random(G) < 0.5) if ds.flip else no_flips
+        return ds.inputs(self.indices(step)[local], flip[local], eps)
 
     def __iter__(self):
         if self._pool is not None:
@@ -1991,8 +2190,9 @@ RECIPES = {
 }
 
 # Settings that define a run: resuming with different ones would silently train something else.
-RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale",
-                "batch_size", "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
+RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit+"], "objective",
+                "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
+                "grad_clip", "ema_decay", "seed", "resolution", "val_images")
 
 
 def setup_distributed(args):
@@ -2017,7 +2217,28 @@ def check_batch_size(batch_size):
 
 
 def compute_dtype(precision):
-    return {"bf16": jnp.bfloat16, "fp32": jnp.float32}[precision]
+    return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision]
+
+
+def default_precision(device=None):
+    """The compute precision a device runs fast and right. bf16 where it is native: TPUs and NVIDIA
+    GPUs from Ampere on (compute capability 8.0: A100, L4, H100). fp16, with loss scaling in
+    training, on older NVIDIA GPUs (T4, V100, P100), which compute float16 several times faster than
+    float32 (T4 and V100 on their tensor cores) and bfloat16 only by emulation. fp32 on CPUs."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return "fp32"
+    if device.platform == "gpu" and float(getattr(device, "compute_capability", 0) or 0) < 8.0:
+        return "fp16"
+    return "bf16"
+
+
+def architecture(args):
+    """The model's switches (qk_norm, rms_norm, swiglu, rope) from --arch, each overridden by its
+    own option when given (--no-rope, --swiglu, ...), for ablations."""
+    named = ARCHS[args.arch]
+    return {k: named.get(k, False) if getattr(args, k) is None else getattr(args, k)
+            for k in ARCHS["dit+"]}
 
 
 def make_mesh():
@@ -2149,20 +2370,29 @@ class MetricsLog:
         self.pending.append(metrics)
 
     def flush(self, done):
-        """Write the record of the steps since the last one, which ends at step `done`; stop the run
-        if a loss or gradient was not finite."""
-        losses = [float(m["loss"]) for m in self.pending]  # of steps done - len + 1 ... done
-        norms = [float(m["grad_norm"]) for m in self.pending]
-        for i, (loss, norm) in enumerate(zip(losses, norms)):
-            if not (math.isfinite(loss) and math.isfinite(norm)):
+        """Write the record of the steps since the last one, which ends at step `done`: the mean
+        loss, and its mean over each range of t ("loss_t"), where the model is weak. Stop the run if
+        a loss or gradient was not finite (float16 excepted, whose loss scaling skips the steps
+        whose gradients overflowed)."""
+        pending = jax.device_get(self.pending)  # of steps done - len + 1 ... done
+        for i, m in enumerate(pending):
+            if not (np.isfinite(m["loss"]) and (m.get("skipped") or np.isfinite(m["grad_norm"]))):
                 raise FloatingPointError(
-                    f"the loss became {loss} (gradient norm {norm}) at step "
-                    f"{done - len(losses) + i + 1}; the last good checkpoint is kept in "
+                    f"the loss became {m['loss']} (gradient norm {m['grad_norm']}) at step "
+                    f"{done - len(pending) + i + 1}; the last good checkpoint is kept in "
                     f"{os.path.dirname(self.path)}")
-        seconds = (time.perf_counter() - self.t0) / len(self.pending)
-        record = {"step": done, "loss": float(np.mean(losses)), "grad_norm": norms[-1],
+        seconds = (time.perf_counter() - self.t0) / len(pending)
+        sums, counts = (sum(m[k] for m in pending) for k in ("loss_by_t", "count_by_t"))
+        record = {"step": done, "loss": float(np.mean([m["loss"] for m in pending])),
+                  "grad_norm": float(pending[-1]["grad_norm"]),
+                  "loss_t": {f"{i / LOSS_BINS:.2f}-{(i + 1) / LOSS_BINS:.2f}":
+                             float(sums[i] / counts[i]) if counts[i] else None
+                             for i in range(LOSS_BINS)},
                   "lr": float(self.schedule(done - 1)), "images_per_s": self.batch_size / seconds,
                   "s_per_step": seconds}
+        if "loss_scale" in pending[-1]:
+            record |= {"loss_scale": float(pending[-1]["loss_scale"]),
+                       "skipped_steps": int(sum(m["skipped"] for m in pending))}
         self.write(record)
         self.pending, self.t0 = [], time.perf_counter()
         return record
@@ -2190,9 +2420,11 @@ def train(args):
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=H, in_channels=C,
-                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
+                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm",
+                     **architecture(args))
     objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
-    tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
+    tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
+    train_idx, held_out = hold_out(len(ds), args.val_images)
 
     # The run directory, and the state: restored from a checkpoint, or new.
     checkpoint, meta = open_run(args, cfg, ds)
@@ -2207,15 +2439,15 @@ def train(args):
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
     step_fn = jit_train_step(graphdef, objective, tx, args.ema_decay, args.seed, mesh, shardings)
-    evaluator = Evaluator(args, graphdef, objective, mesh, ds)
+    evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
     # The loop: one step on every global batch, assembled from each process's share; then logging,
     # checkpoints, sample grids and FID at their intervals.
     batch = NamedSharding(mesh, P("data"))
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
                disable=jax.process_index() != 0)
-    with Loader(ds, args.batch_size, args.seed, start, jax.process_index(),
-                jax.process_count()) as loader:
+    with Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
+                subset=train_idx) as loader:
         for step, (x, y) in zip(bar, loader):
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
@@ -2225,13 +2457,16 @@ def train(args):
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or done == args.steps:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+            # The checkpoint last: a run resumed from it keeps the records of its step.
             with log.paused():
-                if done % args.ckpt_every == 0 or done == args.steps:
-                    save_checkpoint(args.run_dir, state, meta, args.keep)
                 if done % args.sample_every == 0 or done == args.steps:
                     evaluator.grid(state["ema"], done)
+                if args.val_images and (done % args.val_every == 0 or done == args.steps):
+                    evaluator.validation(state["ema"], done, log)
                 if args.fid_every and done % args.fid_every == 0:
                     evaluator.fid(state["ema"], done, args.fid_samples, log)
+                if done % args.ckpt_every == 0 or done == args.steps:
+                    save_checkpoint(args.run_dir, state, meta, args.keep)
 
     # The end: the EMA weights on their own, and the final FID.
     if jax.process_index() == 0 and list_checkpoints(args.run_dir):
@@ -2383,11 +2618,11 @@ def evaluate_samples(images, ref, inception):
 
 class Evaluator:
     """What a training run evaluates of its EMA weights: sample grids, from the same noise and
-    labels at every step so that they compare, and FID-N against reference statistics (--fid-ref,
-    or the prepared ImageNet-100's), with an Inception network loaded at the first evaluation and
-    kept."""
+    labels at every step so that they compare; the validation loss of the held-out samples; and
+    FID-N against reference statistics (--fid-ref, or the prepared ImageNet-100's), with an
+    Inception network loaded at the first evaluation and kept."""
 
-    def __init__(self, args, graphdef, objective, mesh, ds):
+    def __init__(self, args, graphdef, objective, mesh, ds, held_out):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
                                     method=DEFAULT_SAMPLER[args.objective][0],
                                     vae=load_vae(args.vae) if ds.is_latent else None,
@@ -2404,6 +2639,23 @@ class Evaluator:
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
             self.ref = os.path.join(data_dir, "fid_stats.npz")
+        # The held-out samples, their latent noise and the noise of the loss are fixed (seed 0),
+        # whatever the run's seed: every evaluation of every run measures the same thing.
+        k, batch = len(held_out), NamedSharding(mesh, P("data"))
+        if k:
+            eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
+            x, y = ds.inputs(held_out, np.zeros(k, bool), eps if ds.is_latent else None)
+            rows = np.array_split(np.arange(k), jax.process_count())[jax.process_index()]
+            self.val = (jax.make_array_from_process_local_data(batch, x[rows], x.shape),
+                        jax.make_array_from_process_local_data(batch, y[rows], y.shape))
+            self.val_fn = jax.jit(lambda params, x, y: validation_losses(
+                nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1))
+
+    def validation(self, params, step, log):
+        """The validation loss at each of VAL_TIMES and its mean, into the log."""
+        losses = to_host(self.val_fn(params, *self.val))
+        log.write({"step": step, "val_loss": float(losses.mean()),
+                   "val_loss_t": {f"{t:g}": float(v) for t, v in zip(VAL_TIMES, losses)}})
 
     def grid(self, params, step):
         """samples/step_XXXXXXX.png of the run directory."""
@@ -2455,7 +2707,7 @@ def bench(args):
     check_batch_size(args.batch_size)
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size,
                      in_channels=args.channels, num_classes=1000,
-                     learn_sigma=args.objective == "ddpm")
+                     learn_sigma=args.objective == "ddpm", **architecture(args))
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
@@ -2481,7 +2733,8 @@ def bench(args):
     mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
            else "n/a (unknown peak)")
     print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, "
-          f"global batch {args.batch_size}, {args.precision}{', remat' if args.remat else ''}"
+          f"global batch {args.batch_size}, {args.arch}, {args.precision}"
+          f"{f', remat {args.remat}' if args.remat else ''}"
           f"{', fsdp' if args.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
     print(f"  compile {compile_s:.1f} s | {1000 * seconds:.1f} ms/step | "
           f"{args.batch_size / seconds:.1f} images/s | "
@@ -2561,22 +2814,30 @@ def recipes_table():
         "\n  ".join(lines)
 
 
-def model_options(size=None, patch=None, precision=None):
+def model_options(size=None, patch=None):
     """The options of the model that train and bench build, with each command's defaults."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--size", default=size, choices=list(DIT_SIZES),
                    help="model size, Table 1 of the paper (T: a tiny size for CPU demos)")
     p.add_argument("--patch", type=int, default=patch, choices=[2, 4, 8],
                    help="patch size p: the model sees (H/p)^2 tokens")
+    p.add_argument("--arch", default="dit", choices=list(ARCHS),
+                   help="dit: the paper's; dit+: with the changes of the README's ablation")
+    for name, what in [("qk-norm", "RMSNorm on queries and keys"),
+                       ("rms-norm", "RMSNorm instead of LayerNorm"),
+                       ("swiglu", "a SwiGLU feed-forward layer"),
+                       ("rope", "2-D rotary position embeddings")]:
+        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
+                       help=f"{what} (default: as --arch says), for ablations")
     p.add_argument("--objective", default="rf", choices=["rf", "ddpm"],
                    help="rectified flow, or DiT's DDPM with learned variance (exact paper "
                    "reproduction)")
-    p.add_argument("--precision", default=precision, choices=["bf16", "fp32"],
-                   help="compute dtype; parameters and optimizer state stay fp32 (train default: "
-                   "bf16 on accelerators, fp32 on CPUs)")
-    p.add_argument("--remat", action="store_true",
-                   help="recompute block activations in the backward pass (less memory, more "
-                   "compute)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
+                   help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on "
+                   "TPUs and NVIDIA GPUs from Ampere on, fp16 on older GPUs, fp32 on CPUs)")
+    p.add_argument("--remat", nargs="?", const="dots", choices=list(REMAT_POLICIES),
+                   help="recompute activations in the backward pass: dots (without a value) keeps "
+                   "the matrix products' outputs, full only each block's input")
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters and optimizer state over the devices")
     return p
@@ -2621,6 +2882,8 @@ def build_parser():
     t.add_argument("--batch-size", type=int, help="global batch over all devices and hosts")
     t.add_argument("--steps", type=int, help="training steps")
     t.add_argument("--lr", type=float, help="AdamW learning rate")
+    t.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"),
+                   help="AdamW's moment decays")
     t.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
     t.add_argument("--grad-clip", type=float, default=0.0,
                    help="clip the global gradient norm (0: off)")
@@ -2633,6 +2896,10 @@ def build_parser():
     t.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
     t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     t.add_argument("--sample-every", type=int, help="steps between sample grids")
+    t.add_argument("--val-images", type=int, default=0, help="samples held out of training for "
+                   "the validation loss (0: none); the same ones in every run on the dataset")
+    t.add_argument("--val-every", type=int, help="steps between validation losses (default: "
+                   "--sample-every)")
     t.add_argument("--sample-steps", type=int,
                    help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
     t.add_argument("--cfg-scale", type=float, default=4.0,
@@ -2668,14 +2935,15 @@ def build_parser():
     s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
     s.add_argument("--batch-size", type=int, default=64, help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
-    s.add_argument("--precision", default="fp32", choices=["bf16", "fp32"],
-                   help="compute dtype of the model")
+    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
+                   help="compute dtype of the model and the VAE (default: as for training; fp32 "
+                   "gives the official numbers)")
 
     e = sub.add_parser("export", help="write the EMA weights of a checkpoint as .safetensors")
     e.add_argument("--ckpt", required=True, help="training checkpoint .npz")
     e.add_argument("--out", required=True, help="the .safetensors file to write")
 
-    b = sub.add_parser("bench", parents=[model_options("S", 2, "bf16")],
+    b = sub.add_parser("bench", parents=[model_options("S", 2)],
                        help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
     b.add_argument("--image-size", type=int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
@@ -2693,6 +2961,10 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.command in ("train", "sample"):
         setup_distributed(args)  # before anything else starts jax's backend
+    if args.command in ("train", "sample", "bench"):
+        args.precision = args.precision or default_precision()
+    if args.command in ("train", "bench"):
+        vars(args).update(architecture(args))
     if args.command == "sample":
         return sample_command(args)
     if args.command == "export":
@@ -2705,10 +2977,13 @@ def main(argv=None):
     for key, value in RECIPES[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("steps", "log_every", "ckpt_every", "sample_every"):
+    args.val_every = args.val_every or args.sample_every
+    for key in ("steps", "log_every", "ckpt_every", "sample_every", "val_every"):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key.replace('_', '-')} must be at least 1 (a number of steps)")
-    args.precision = args.precision or ("fp32" if jax.default_backend() == "cpu" else "bf16")
+    if args.val_images < 0 or args.val_images % jax.device_count():
+        raise SystemExit(f"--val-images {args.val_images} does not split over "
+                         f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
     args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]
     args.run_dir = (args.run_dir
                     or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))

@@ -9,6 +9,7 @@ way for another configuration test the same things. Tests on real images read $D
 Run: python -m pytest -q test_dit.py
 """
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -32,6 +33,7 @@ import warnings
 import zipfile
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -140,7 +142,8 @@ def train_args(data_dir, run_dir, steps, extra=()):
     return ["--dataset", "folder", "--data-dir", data_dir, "--resolution", "8", "--size", "T",
             "--patch", "2", "--batch-size", "8", "--steps", str(steps), "--log-every", "1",
             "--ckpt-every", "3", "--sample-every", "1000", "--sample-steps", "2", "--final-fid",
-            "0", "--run-dir", str(run_dir), "--lr", "1e-3", "--ema-decay", "0.9", *extra]
+            "0", "--run-dir", str(run_dir), "--lr", "1e-3", "--ema-decay", "0.9",
+            "--val-images", "8", "--val-every", "3", *extra]
 
 
 def final_state(run_dir):
@@ -181,6 +184,25 @@ def test_parameter_counts_equal_the_official_ones():
         model = nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0)))
         T = cfg.grid ** 2
         assert dit.count_params(model) + T * cfg.hidden_size == official, name
+
+
+def test_dit_plus_stays_within_the_course_budget():
+    """DiT+ at S/2 on 256x256 images stays within 33M parameters (the official count's convention,
+    position table included). Counted by hand: SwiGLU's three matrices of width 2/3 * 4D replace
+    the MLP's two of width 4D; QK-norm adds a scale per head channel for queries and keys; RMSNorm
+    and RoPE add none."""
+    def total(**switches):
+        cfg = dit.dit_config("S/2", **switches)
+        model = nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0)))
+        return dit.count_params(model) + cfg.grid ** 2 * cfg.hidden_size
+
+    D, depth, heads, official = 384, 12, 6, 32_963_360
+    h = 2 * 4 * D // 3
+    mlp, swiglu = 2 * D * 4 * D + 4 * D + D, D * 2 * h + 2 * h + h * D + D
+    assert total(swiglu=True) == official + depth * (swiglu - mlp)
+    assert total(qk_norm=True) == official + depth * 2 * (D // heads)
+    assert total(rms_norm=True) == total(rope=True) == official
+    assert total(**dit.ARCHS["dit+"]) <= 33_000_000
 
 
 def test_any_input_size_channels_and_unconditional():
@@ -280,30 +302,174 @@ def test_official_initialisation():
     assert model.y_embedder.embedding_table.embedding[...].shape == (11, 64)  # the extra null label
 
 
-def test_remat_and_bf16_match_fp32(reference):
+def test_remat_and_16_bit_floats_match_fp32(reference):
     ref, cfg, model = reference
     x, t, y = nhwc(ref["x"]), jnp.asarray(ref["t"]), jnp.asarray(ref["y"])
     params = nnx.state(model, nnx.Param)
-    graphdef = nnx.graphdef(model)
-    remat = nnx.graphdef(dit.DiT(cfg, remat=True, rngs=nnx.Rngs(0)))
-    half = nnx.graphdef(dit.DiT(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
 
-    def loss(g, p):
-        return jnp.mean(nnx.merge(g, p)(x, t, y) ** 2)
+    def value_and_grad(**kwargs):
+        graphdef = nnx.graphdef(dit.DiT(cfg, rngs=nnx.Rngs(0), **kwargs))
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(x, t, y) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
 
-    l0, g0 = jax.jit(jax.value_and_grad(lambda p: loss(graphdef, p)))(params)
-    l1, g1 = jax.jit(jax.value_and_grad(lambda p: loss(remat, p)))(params)
-    l2, _ = jax.jit(jax.value_and_grad(lambda p: loss(half, p)))(params)
-    assert float(l1) == pytest.approx(float(l0), rel=1e-6)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    assert float(l2) == pytest.approx(float(l0), rel=2e-2)  # bfloat16 keeps 8 bits of mantissa
+    l0, g0 = value_and_grad()
+    for remat in dit.REMAT_POLICIES:
+        l1, g1 = value_and_grad(remat=remat)
+        assert float(l1) == pytest.approx(float(l0), rel=1e-6), remat
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=remat)
+    # bfloat16 keeps 8 bits of mantissa, float16 11. XLA's attention multiplies float16 matrices
+    # into float32 (the F16_F16_F32 algorithm), which GPUs have and XLA's CPU backend lacks.
+    assert float(value_and_grad(dtype=jnp.bfloat16)[0]) == pytest.approx(float(l0), rel=2e-2)
+    if jax.default_backend() == "gpu":
+        assert float(value_and_grad(dtype=jnp.float16)[0]) == pytest.approx(float(l0), rel=4e-3)
+
+
+def test_rms_norm_and_swiglu_compute_their_formulas():
+    x = np.random.default_rng(0).normal(3.0, 2.0, (2, 5, 8)).astype(np.float32)
+    expected = x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(dit.rms_norm(jnp.asarray(x)), expected, rtol=1e-5)
+    mlp = dit.SwiGLU(8, 6, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    w12, b12 = np.asarray(mlp.w12.kernel[...]), np.asarray(mlp.w12.bias[...])
+    a, b = np.split(x @ w12 + b12, 2, axis=-1)
+    by_hand = (a / (1 + np.exp(-a)) * b) @ np.asarray(mlp.w3.kernel[...]) + np.asarray(mlp.w3.bias[...])
+    np.testing.assert_allclose(mlp(jnp.asarray(x)), by_hand, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_depends_on_relative_positions_only():
+    """RoPE rotates queries and keys by their patch's position, so that q . k depends only on the
+    offset between the two patches, in rows and in columns; the rotation keeps lengths."""
+    head_dim, grid = 16, 5
+    cos, sin = dit.rope_tables(head_dim, grid)
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(2, head_dim)).astype(np.float32)
+    T = grid * grid
+    rot = lambda v: np.asarray(dit.apply_rope(jnp.tile(v, (1, T, 1, 1)), cos, sin))[0, :, 0]  # noqa: E731
+    rq, rk = rot(q), rot(k)  # (T, head_dim): the vector at every position
+    np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q), rtol=1e-5)
+    np.testing.assert_allclose(rq[0], q, rtol=1e-6)  # the first patch is not rotated
+    pos = lambda r, c: r * grid + c  # noqa: E731
+    for (r1, c1), (r2, c2), (dr, dc) in [((0, 0), (1, 3), (2, 1)), ((3, 1), (0, 4), (1, 0))]:
+        np.testing.assert_allclose(rq[pos(r1, c1)] @ rk[pos(r2, c2)],
+                                   rq[pos(r1 + dr, c1 + dc)] @ rk[pos(r2 + dr, c2 + dc)],
+                                   rtol=1e-4, atol=1e-5)
+    # ... and it does depend on the offset, along both axes
+    assert abs(rq[pos(0, 0)] @ rk[pos(0, 1)] - rq[pos(0, 0)] @ rk[pos(0, 2)]) > 1e-3
+    assert abs(rq[pos(0, 0)] @ rk[pos(1, 0)] - rq[pos(0, 0)] @ rk[pos(2, 0)]) > 1e-3
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    attn = dit.Attention(32, 4, qk_norm=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    plain = dit.Attention(32, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6, 32))
+    for layer, invariant in [(attn, True), (plain, False)]:
+        out = layer(x)
+        w = layer.qkv.kernel[...]
+        layer.qkv.kernel[...] = w.at[:, :64].multiply(20.0)  # queries and keys 20 times larger
+        assert np.allclose(layer(x), out, rtol=1e-4, atol=1e-5) == invariant
+        layer.qkv.kernel[...] = w
+
+
+def test_dit_plus_trains_and_each_switch_changes_the_model():
+    """DiT+ trains in a jitted step (the validation loss of the batch, at fixed noise and times,
+    falls), and each of its switches changes the function the model computes: with the same
+    random weights, RoPE and RMSNorm alone change the output (SwiGLU and QK-norm change the
+    parameters themselves, as the parameter count shows)."""
+    x = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+    t, y = jnp.linspace(0, 1000, 8), jnp.arange(8) % 3
+    small = dict(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=2, num_heads=2,
+                 num_classes=3, learn_sigma=False)
+    tx = dit.make_optimizer(1e-2)[0]
+    graphdef, state, _ = dit.init_state(dit.DiTConfig(**small, **dit.ARCHS["dit+"]), tx, 0,
+                                        dit.make_mesh(), False, jnp.float32, None)
+    step = jax.jit(dit.make_train_step(graphdef, dit.RectifiedFlow(), tx, 0.9, 0))
+    val = jax.jit(lambda p: dit.validation_losses(
+        nnx.merge(graphdef, p), dit.RectifiedFlow(), x, y, jax.random.key(1)).mean())
+    before = float(val(state["params"]))
+    for _ in range(15):
+        state, _ = step(state, x, y)
+    assert float(val(state["params"])) < before - 0.02
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def output(switch):  # the same random weights (adaLN-Zero would hide every difference)
+        model = nnx.eval_shape(lambda: dit.DiT(dit.DiTConfig(**small, **dict(switch)),
+                                               rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(model)
+        params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
+        return nnx.merge(graphdef, params)(x, t, y)
+
+    plain = output(frozenset())
+    for switch in ("rope", "rms_norm"):
+        changed = output(frozenset({(switch, True)}))
+        assert not np.allclose(changed, plain, rtol=1e-3, atol=1e-3), switch
+
+
+def test_attention_implementation_is_chosen_by_device_and_dtype():
+    gpu = lambda capability: types.SimpleNamespace(platform="gpu", compute_capability=capability)  # noqa: E731
+    choose = dit.attention_implementation
+    assert choose(jnp.bfloat16, 64, gpu("9.0")) == choose(jnp.float16, 72, gpu("8.0")) == "cudnn"
+    assert choose(jnp.float32, 64, gpu("9.0")) == "xla"  # float32: XLA's, which is exact
+    assert choose(jnp.float16, 64, gpu("7.5")) == "xla"  # the T4: no flash attention in cuDNN
+    assert choose(jnp.bfloat16, 256, gpu("9.0")) == choose(jnp.bfloat16, 60, gpu("9.0")) == "xla"
+    assert choose(jnp.bfloat16, 64, types.SimpleNamespace(platform="tpu")) == "xla"
+    assert choose(jnp.bfloat16, 64, types.SimpleNamespace(platform="cpu")) == "xla"
+
+
+def test_attention_computes_softmax_attention():
+    """What runs on this machine against the formula. On a CPU that is XLA's attention, the
+    fallback; cuDNN's fused attention is compared with it by the next test, on a GPU only."""
+    attn = dit.Attention(32, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6, 32))
+    qkv = np.asarray(attn.qkv(x)).reshape(2, 6, 3, 4, 8)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(2, 6, 32)
+    np.testing.assert_allclose(attn(x), attn.proj(jnp.asarray(out)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(dit.attention_implementation(jnp.bfloat16, 64) != "cudnn",
+                    reason="cuDNN's fused attention needs an NVIDIA GPU from Ampere on")
+def test_cudnn_attention_matches_xla():
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 4, 256, 6, 64), jnp.bfloat16)
+    fused = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    plain = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    assert rel_err(np.asarray(fused, np.float32), np.asarray(plain, np.float32)) < 1e-2
+
+
+def test_float32_means_float32_matrix_products():
+    """A float32 model asks XLA for full-precision products (else TF32 on NVIDIA GPUs, one bfloat16
+    pass on TPUs), in the forward pass and in the backward; a bfloat16 model leaves the default."""
+    cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=1,
+                        num_heads=2, num_classes=3, rope=True, qk_norm=True)
+    x, t, y = jnp.zeros((2, 8, 8, 4)), jnp.ones(2), jnp.zeros(2, jnp.int32)
+
+    def precisions(dtype):
+        graphdef, params = nnx.split(dit.DiT(cfg, dtype=dtype, remat="dots", rngs=nnx.Rngs(0)))
+        loss = lambda p: nnx.merge(graphdef, p)(x, t, y).sum()  # noqa: E731
+        found = []
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                    found.append(eqn.params["precision"])
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+        walk(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+        return found
+
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    full = precisions(jnp.float32)
+    assert len(full) > 20 and all(p == highest for p in full)
+    assert not any(p == highest for p in precisions(jnp.bfloat16))
+
 
 
 def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     """The memory remat saves: the residuals jax.vjp holds for the backward pass (the leaves of the
     function it returns). Without remat every block keeps its attention probabilities and the inputs
-    of its matmuls (the GELU and LayerNorm are recomputed); with it, little more than its input
+    of its matmuls (the GELU and LayerNorm are recomputed); with "full", little more than its input
     (B, T, D)."""
     cfg = dit.dit_config("T/4", input_size=16, in_channels=4, num_classes=10)
     B, T, D = 24, cfg.grid ** 2, cfg.hidden_size
@@ -317,10 +483,11 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass():
 
     block_input = B * T * D * 4  # float32
     # Without remat a block keeps about 21 block inputs' worth; 37 if the GELU kept its
-    # intermediates.
-    assert 10 * cfg.depth * block_input < residual_bytes(False) < 25 * cfg.depth * block_input
-    # the input, plus the final layer's share
-    assert residual_bytes(True) < 3 * cfg.depth * block_input
+    # intermediates. "dots" keeps the matrix products' outputs (qkv 3, proj 1, MLP 4 + 1) and the
+    # input; "full" the input, plus the final layer's share.
+    assert 15 * cfg.depth * block_input < residual_bytes(None) < 25 * cfg.depth * block_input
+    assert 9 * cfg.depth * block_input < residual_bytes("dots") < 12 * cfg.depth * block_input
+    assert residual_bytes("full") < 3 * cfg.depth * block_input
 
 
 def test_jit_compiled_model_matches_official(reference):
@@ -675,6 +842,62 @@ def test_optimizer_recipe_warmup_and_clipping():
         raw, s_raw = adamw.update(g, s_raw, params)
     np.testing.assert_allclose(ours["w"][:2], ref["w"][:2], rtol=1e-5)
     assert not np.allclose(ours["w"][:2], raw["w"][:2], rtol=0.1)
+    # the moments' decays are AdamW's betas
+    betas, _ = dit.make_optimizer(1e-3, betas=(0.8, 0.95))
+    reference = optax.adamw(1e-3, b1=0.8, b2=0.95, eps=1e-8, weight_decay=0.0)
+    s_ours, s_ref = betas.init(params), reference.init(params)
+    for g in grads:
+        ours, s_ours = betas.update(g, s_ours, params)
+        ref, s_ref = reference.update(g, s_ref, params)
+    np.testing.assert_allclose(ours["w"], ref["w"], rtol=1e-6)
+
+
+def test_loss_scaling_skips_overflows_and_adapts():
+    """float16 training: a step whose gradients overflowed keeps the old weights, EMA and moments
+    and halves the scale; `period` good steps in a row double it. The step count goes on."""
+    old = {"step": jnp.int32(5), "params": {"w": jnp.ones(2)}, "ema": {"w": jnp.ones(2)},
+           "opt_state": {"mu": jnp.zeros(2)}, "loss_scale": jnp.float32(8.0),
+           "good_steps": jnp.int32(2)}
+    new = {**old, "step": jnp.int32(6), "params": {"w": jnp.full(2, jnp.nan)},
+           "ema": {"w": jnp.full(2, jnp.nan)}, "opt_state": {"mu": jnp.full(2, jnp.inf)}}
+    skipped = dit.update_loss_scale(old, new, jnp.bool_(False), period=3)
+    assert int(skipped["step"]) == 6 and float(skipped["loss_scale"]) == 4.0
+    assert int(skipped["good_steps"]) == 0
+    for key in ("params", "ema", "opt_state"):
+        for a, b in zip(jax.tree.leaves(skipped[key]), jax.tree.leaves(old[key])):
+            np.testing.assert_array_equal(a, b)
+    fine = {**new, "params": {"w": jnp.full(2, 0.5)}}
+    grown = dit.update_loss_scale(old, fine, jnp.bool_(True), period=3)  # the third good step
+    assert float(grown["loss_scale"]) == 16.0 and int(grown["good_steps"]) == 0
+    np.testing.assert_array_equal(grown["params"]["w"], 0.5)
+    kept = dit.update_loss_scale({**old, "good_steps": jnp.int32(0)}, fine, jnp.bool_(True), 3)
+    assert float(kept["loss_scale"]) == 8.0 and int(kept["good_steps"]) == 1
+    # only float16 models carry the scale in their training state
+    tx, _ = dit.make_optimizer(1e-4)
+    cfg = dit.DiTConfig(input_size=8, hidden_size=32, depth=1, num_heads=2, num_classes=3)
+    for dtype, scaled in [(jnp.float16, True), (jnp.bfloat16, False), (jnp.float32, False)]:
+        state = jax.eval_shape(lambda: dit.new_train_state(  # noqa: B023
+            dit.DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tx))
+        assert ("loss_scale" in state) == scaled, dtype
+
+
+def test_training_loss_is_logged_by_noise_level():
+    """The step sums the per-sample losses in LOSS_BINS equal ranges of t in [0, 1)."""
+    time = jnp.array([0.0, 0.1, 0.3, 0.6, 0.99, 0.74, 0.26, 0.2])
+
+    class Known:  # per-sample losses 0..7 at the times above, whatever the model does
+        def training_losses(self, model_fn, x0, key):
+            return {"loss": jnp.arange(8.0) + 0 * model_fn(x0, time).mean(), "time": time}
+
+    cfg = dit.DiTConfig(input_size=4, patch_size=2, in_channels=1, hidden_size=16, depth=1,
+                        num_heads=2, num_classes=0, learn_sigma=False)
+    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
+    tx, _ = dit.make_optimizer(1e-4)
+    step = dit.make_train_step(nnx.graphdef(model), Known(), tx, 0.9, 0)
+    _, metrics = step(dit.new_train_state(model, tx), jnp.zeros((8, 4, 4, 1)), jnp.zeros(8, int))
+    assert dit.LOSS_BINS == 4
+    np.testing.assert_array_equal(metrics["count_by_t"], [3, 2, 2, 1])
+    np.testing.assert_array_equal(metrics["loss_by_t"], [0 + 1 + 7, 2 + 6, 3 + 5, 4])
 
 
 #################################################################################
@@ -1403,9 +1626,24 @@ def test_loader_threads_stop_errors_propagate_and_prefetch_is_bounded():
     assert set(threading.enumerate()) == before
 
 
+def test_held_out_samples_are_fixed_and_never_trained_on():
+    train, held = dit.hold_out(60, 10)
+    again, same = dit.hold_out(60, 10)
+    np.testing.assert_array_equal(held, same)  # the same for every run: no seed involved
+    np.testing.assert_array_equal(train, again)
+    assert len(held) == 10 and sorted(np.concatenate([train, held]).tolist()) == list(range(60))
+    loader = Loader(numbered(60), 10, seed=3, subset=train)
+    seen = np.concatenate([loader.indices(step) for step in range(10)])  # two epochs of 5 batches
+    assert not set(seen.tolist()) & set(held.tolist())
+    assert sorted(seen[:50].tolist()) == sorted(train.tolist())
+    x, _ = loader.batch(0)
+    np.testing.assert_array_equal(sample_ids(x), loader.indices(0))
+    assert len(dit.hold_out(60, 0)[1]) == 0 and len(dit.hold_out(60, 0)[0]) == 60
+
+
 def test_loader_rejects_bad_arguments():
     ds = numbered(10)
-    with pytest.raises(ValueError, match="dataset size"):
+    with pytest.raises(ValueError, match="number of training samples"):
         Loader(ds, 11, seed=0)
     with pytest.raises(ValueError, match="multiple of 3"):
         Loader(ds, 8, seed=0, process_count=3)
@@ -1463,9 +1701,17 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data):
     _, b = final_state(tmp_path / "resumed")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    # the log holds each step once
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "metrics.jsonl")]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    # the log holds each step once, and the validation losses (fixed held-out samples, fixed
+    # noise) of the resumed run are those of the uninterrupted one
+    records = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert all(set(r["loss_t"]) == {"0.00-0.25", "0.25-0.50", "0.50-0.75", "0.75-1.00"}
+               for r in records if "loss" in r)
+    straight = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
+    validation = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in validation] == [3, 6]
+    assert validation == [r for r in straight if "val_loss" in r]
+    assert set(validation[0]["val_loss_t"]) == {f"{t:g}" for t in dit.VAL_TIMES}
     # --resume FILE continues another run's checkpoint in a new run directory, exactly again; within
     # its own run, going back behind newer checkpoints is refused (a later resume would jump to
     # them)
@@ -1478,8 +1724,8 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data):
     _, c = final_state(tmp_path / "branch")
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
-    assert ([json.loads(line)["step"] for line in open(tmp_path / "branch" / "metrics.jsonl")]
-            == [4, 5, 6])
+    branch = [json.loads(line) for line in open(tmp_path / "branch" / "metrics.jsonl")]
+    assert [r["step"] for r in branch if "loss" in r] == [4, 5, 6]
 
 
 def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data):
@@ -1503,6 +1749,19 @@ def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_
 #################################################################################
 #                             12. The training loop                             #
 #################################################################################
+
+
+def test_default_precision_per_device():
+    """bf16 where the device computes it natively, fp16 on NVIDIA GPUs before Ampere, fp32 on
+    CPUs."""
+    device = lambda platform, capability=None: types.SimpleNamespace(  # noqa: E731
+        platform=platform, compute_capability=capability)
+    assert dit.default_precision(device("cpu")) == "fp32"
+    assert dit.default_precision(device("tpu")) == "bf16"
+    for capability, name in [("9.0", "H100"), ("8.0", "A100"), ("8.9", "L4")]:
+        assert dit.default_precision(device("gpu", capability)) == "bf16", name
+    for capability, name in [("7.5", "T4"), ("7.0", "V100"), ("6.0", "P100")]:
+        assert dit.default_precision(device("gpu", capability)) == "fp16", name
 
 
 def test_one_device_equals_four_and_fsdp(tmp_path, folder_data):
