@@ -332,7 +332,8 @@ def test_rms_norm_and_swiglu_compute_their_formulas():
     mlp = dit.SwiGLU(8, 6, dtype=jnp.float32, rngs=nnx.Rngs(0))
     w12, b12 = np.asarray(mlp.w12.kernel[...]), np.asarray(mlp.w12.bias[...])
     a, b = np.split(x @ w12 + b12, 2, axis=-1)
-    by_hand = (a / (1 + np.exp(-a)) * b) @ np.asarray(mlp.w3.kernel[...]) + np.asarray(mlp.w3.bias[...])
+    w3, b3 = np.asarray(mlp.w3.kernel[...]), np.asarray(mlp.w3.bias[...])
+    by_hand = (a / (1 + np.exp(-a)) * b) @ w3 + b3
     np.testing.assert_allclose(mlp(jnp.asarray(x)), by_hand, rtol=1e-5, atol=1e-6)
 
 
@@ -344,7 +345,8 @@ def test_rope_depends_on_relative_positions_only():
     rng = np.random.default_rng(0)
     q, k = rng.normal(size=(2, head_dim)).astype(np.float32)
     T = grid * grid
-    rot = lambda v: np.asarray(dit.apply_rope(jnp.tile(v, (1, T, 1, 1)), cos, sin))[0, :, 0]  # noqa: E731
+    def rot(v):  # (head_dim,) -> (T, head_dim): v placed at every position, rotated there
+        return np.asarray(dit.apply_rope(jnp.tile(v, (1, T, 1, 1)), cos, sin))[0, :, 0]
     rq, rk = rot(q), rot(k)  # (T, head_dim): the vector at every position
     np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q), rtol=1e-5)
     np.testing.assert_allclose(rq[0], q, rtol=1e-6)  # the first patch is not rotated
@@ -405,7 +407,8 @@ def test_dit_plus_trains_and_each_switch_changes_the_model():
 
 
 def test_attention_implementation_is_chosen_by_device_and_dtype():
-    gpu = lambda capability: types.SimpleNamespace(platform="gpu", compute_capability=capability)  # noqa: E731
+    def gpu(capability):
+        return types.SimpleNamespace(platform="gpu", compute_capability=capability)
     choose = dit.attention_implementation
     assert choose(jnp.bfloat16, 64, gpu("9.0")) == choose(jnp.float16, 72, gpu("8.0")) == "cudnn"
     assert choose(jnp.float32, 64, gpu("9.0")) == "xla"  # float32: XLA's, which is exact
@@ -2441,8 +2444,8 @@ def test_fid_load_inception_rejects_wrong_weights(tmp_path):
     # No "not the official weights" warning before the error: a failed run ends in its one line.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(fid.InputError, match="not pytorch-fid's FID Inception weights.*missing.*"
-                           "Conv2d_1a_3x3"):
+        with pytest.raises(fid.InputError,
+                           match="not pytorch-fid's FID Inception weights.*missing.*Conv2d_1a_3x3"):
             fid.load_inception(fixture("dit_reference.pt"), cache_dir=str(tmp_path))
     assert not [w for w in caught if "official" in str(w.message)]
     official_name = tmp_path / fid.FID_WEIGHTS_NAME  # a damaged download under the official name
