@@ -1048,23 +1048,24 @@ class VAEConfig:
                              f"splits the channels into groups)")
 
 
-def _group_norm(channels, groups, rngs):
+def _group_norm(channels, groups, dtype, rngs):
     # two-pass variance like torch's GroupNorm; the one-pass E[x^2]-E[x]^2 loses digits on large
-    # activations
+    # activations. flax computes the statistics in float32 whatever `dtype` is.
     return nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, use_fast_variance=False,
-                         rngs=rngs)
+                         dtype=dtype, rngs=rngs)
 
 
 class VAEResnetBlock(nnx.Module):
     """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1
     shortcut when the channel count changes."""
 
-    def __init__(self, cin, cout, groups, *, rngs):
-        self.norm1 = _group_norm(cin, groups, rngs)
-        self.conv1 = nnx.Conv(cin, cout, (3, 3), padding=1, rngs=rngs)
-        self.norm2 = _group_norm(cout, groups, rngs)
-        self.conv2 = nnx.Conv(cout, cout, (3, 3), padding=1, rngs=rngs)
-        self.conv_shortcut = nnx.Conv(cin, cout, (1, 1), rngs=rngs) if cin != cout else None
+    def __init__(self, cin, cout, groups, *, dtype, rngs):
+        self.norm1 = _group_norm(cin, groups, dtype, rngs)
+        self.conv1 = nnx.Conv(cin, cout, (3, 3), padding=1, dtype=dtype, rngs=rngs)
+        self.norm2 = _group_norm(cout, groups, dtype, rngs)
+        self.conv2 = nnx.Conv(cout, cout, (3, 3), padding=1, dtype=dtype, rngs=rngs)
+        self.conv_shortcut = (nnx.Conv(cin, cout, (1, 1), dtype=dtype, rngs=rngs) if cin != cout
+                              else None)
 
     def __call__(self, x):  # (B, H, W, cin) -> (B, H, W, cout)
         h = self.conv1(nnx.silu(self.norm1(x)))
@@ -1079,19 +1080,20 @@ class VAEAttention(nnx.Module):
     GroupNorm in front, residual around it (diffusers Attention with AttnProcessor2_0,
     heads = 1)."""
 
-    def __init__(self, channels, groups, *, rngs):
-        self.group_norm = _group_norm(channels, groups, rngs)
-        self.to_q = nnx.Linear(channels, channels, rngs=rngs)
-        self.to_k = nnx.Linear(channels, channels, rngs=rngs)
-        self.to_v = nnx.Linear(channels, channels, rngs=rngs)
-        self.to_out = nnx.Linear(channels, channels, rngs=rngs)
+    def __init__(self, channels, groups, *, dtype, rngs):
+        self.group_norm = _group_norm(channels, groups, dtype, rngs)
+        self.to_q = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_k = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_v = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C)
         B, H, W, C = x.shape
         h = self.group_norm(x).reshape(B, H * W, C)
         q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (B, HW, C) each
-        weights = jax.nn.softmax(jnp.einsum("bqc,bkc->bqk", q, k) / np.sqrt(C),
-                                 axis=-1)  # (B, HW, HW)
+        scores = jnp.einsum("bqc,bkc->bqk", q, k).astype(jnp.float32) / np.sqrt(C)  # (B, HW, HW)
+        # the softmax's sums in float32 also when the layers compute in bfloat16
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v))
         return x + out.reshape(B, H, W, C)
 
@@ -1101,9 +1103,9 @@ class VAEDownsample(nnx.Module):
     symmetrically, a quirk inherited from the original LDM code; the weights were trained with
     it."""
 
-    def __init__(self, channels, *, rngs):
+    def __init__(self, channels, *, dtype, rngs):
         self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
-                             rngs=rngs)
+                             dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C)
         return self.conv(x)
@@ -1112,8 +1114,8 @@ class VAEDownsample(nnx.Module):
 class VAEUpsample(nnx.Module):
     """Nearest-neighbour x2 then a 3x3 conv (diffusers Upsample2D with use_conv=True)."""
 
-    def __init__(self, channels, *, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, rngs=rngs)
+    def __init__(self, channels, *, dtype, rngs):
+        self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C) -> (B, 2H, 2W, C)
         x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
@@ -1125,10 +1127,11 @@ class DownEncoderBlock(nnx.Module):
     block. The one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading
     a name mapping."""
 
-    def __init__(self, cin, cout, n, groups, downsample, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs)
-                                 for i in range(n)])
-        self.downsamplers = nnx.List([VAEDownsample(cout, rngs=rngs)] if downsample else [])
+    def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
+                                                rngs=rngs) for i in range(n)])
+        self.downsamplers = nnx.List([VAEDownsample(cout, dtype=dtype, rngs=rngs)] if downsample
+                                     else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.downsamplers]:
@@ -1140,10 +1143,10 @@ class UpDecoderBlock(nnx.Module):
     """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last
     block."""
 
-    def __init__(self, cin, cout, n, groups, upsample, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs)
-                                 for i in range(n)])
-        self.upsamplers = nnx.List([VAEUpsample(cout, rngs=rngs)] if upsample else [])
+    def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
+                                                rngs=rngs) for i in range(n)])
+        self.upsamplers = nnx.List([VAEUpsample(cout, dtype=dtype, rngs=rngs)] if upsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.upsamplers]:
@@ -1154,10 +1157,10 @@ class UpDecoderBlock(nnx.Module):
 class VAEMidBlock(nnx.Module):
     """diffusers UNetMidBlock2D at the lowest resolution: ResnetBlock, attention, ResnetBlock."""
 
-    def __init__(self, channels, groups, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, rngs=rngs)
+    def __init__(self, channels, groups, *, dtype, rngs):
+        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, dtype=dtype, rngs=rngs)
                                  for _ in range(2)])
-        self.attentions = nnx.List([VAEAttention(channels, groups, rngs=rngs)])
+        self.attentions = nnx.List([VAEAttention(channels, groups, dtype=dtype, rngs=rngs)])
 
     def __call__(self, x):
         x = self.resnets[0](x)
@@ -1169,16 +1172,17 @@ class VAEEncoder(nnx.Module):
     """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with
     f = 2**(len(block_out_channels) - 1): every block but the last halves the resolution."""
 
-    def __init__(self, cfg, *, rngs):
+    def __init__(self, cfg, *, dtype, rngs):
         ch, g = cfg.block_out_channels, cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, rngs=rngs)
+        self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
         self.down_blocks = nnx.List([
             DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1,
-                             rngs=rngs)
+                             dtype=dtype, rngs=rngs)
             for i in range(len(ch))])
-        self.mid_block = VAEMidBlock(ch[-1], g, rngs=rngs)
-        self.conv_norm_out = _group_norm(ch[-1], g, rngs)
-        self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[-1], g, dtype=dtype, rngs=rngs)
+        self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
+        self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, dtype=dtype,
+                                 rngs=rngs)
 
     def __call__(self, x):
         x = self.conv_in(x)
@@ -1192,16 +1196,18 @@ class VAEDecoder(nnx.Module):
     """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one
     more ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
 
-    def __init__(self, cfg, *, rngs):
+    def __init__(self, cfg, *, dtype, rngs):
         ch, g = cfg.block_out_channels[::-1], cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, rngs=rngs)
-        self.mid_block = VAEMidBlock(ch[0], g, rngs=rngs)
+        self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, dtype=dtype,
+                                rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[0], g, dtype=dtype, rngs=rngs)
         self.up_blocks = nnx.List([
             UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1,
-                           rngs=rngs)
+                           dtype=dtype, rngs=rngs)
             for i in range(len(ch))])
-        self.conv_norm_out = _group_norm(ch[-1], g, rngs)
-        self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, rngs=rngs)
+        self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
+        self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, dtype=dtype,
+                                 rngs=rngs)
 
     def __call__(self, z):
         x = self.mid_block(self.conv_in(z))
@@ -1213,15 +1219,20 @@ class VAEDecoder(nnx.Module):
 class AutoencoderKL(nnx.Module):
     """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar);
     DiT trains on z = (mean + exp(logvar / 2) * eps) * scaling_factor and samples
-    decode(z / scaling_factor)."""
+    decode(z / scaling_factor).
 
-    def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.encoder = VAEEncoder(cfg, rngs=rngs)
-        self.decoder = VAEDecoder(cfg, rngs=rngs)
+    `dtype` is the compute dtype of the convolutions and linear layers (bfloat16 to decode DiT's
+    bfloat16 samples); parameters, GroupNorm statistics and the outputs stay float32.
+    """
+
+    def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        self.encoder = VAEEncoder(cfg, dtype=dtype, rngs=rngs)
+        self.decoder = VAEDecoder(cfg, dtype=dtype, rngs=rngs)
         self.quant_conv = nnx.Conv(2 * cfg.latent_channels, 2 * cfg.latent_channels, (1, 1),
-                                   rngs=rngs)
-        self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1), rngs=rngs)
+                                   dtype=dtype, rngs=rngs)
+        self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1),
+                                        dtype=dtype, rngs=rngs)
 
     def _check(self, x, channels, what):
         if x.ndim != 4 or x.shape[-1] != channels:
@@ -1229,18 +1240,27 @@ class AutoencoderKL(nnx.Module):
                              f"got shape {tuple(x.shape)}; for NCHW arrays pass "
                              f"x.transpose(0, 2, 3, 1)")
 
+    def _precision(self):
+        # float32 means float32 products: XLA otherwise multiplies float32 matrices in TF32 on
+        # NVIDIA GPUs and in one bfloat16 pass on TPUs, far from diffusers' float32 numbers
+        return (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
+                else contextlib.nullcontext())
+
     def encode(self, x):
-        """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each."""
+        """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each, float32."""
         self._check(x, self.cfg.in_channels, "encode")
-        moments = self.quant_conv(self.encoder(x))
+        with self._precision():
+            moments = self.quant_conv(self.encoder(x)).astype(jnp.float32)
         mean, logvar = jnp.split(moments, 2, axis=-1)
         # the clamp diffusers' DiagonalGaussianDistribution applies
         return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, z):
-        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1]."""
+        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1],
+        float32."""
         self._check(z, self.cfg.latent_channels, "decode")
-        return self.decoder(self.post_quant_conv(z))
+        with self._precision():
+            return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
 
 
 #################################################################################
@@ -1290,8 +1310,8 @@ def load_vae_weights(model, tensors, source="the weight file"):
     return set_params(model, values)
 
 
-def load_vae(source="ema", cache_dir=None):
-    """Build the AutoencoderKL with released weights. `source`: "ema" or "mse"
+def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
+    """Build the AutoencoderKL with released weights, computing in `dtype`. `source`: "ema" or "mse"
     (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default $DIT_CACHE or
     ~/.cache/dit-jax, when missing), a diffusers folder (config.json +
     diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
@@ -1335,7 +1355,7 @@ def load_vae(source="ema", cache_dir=None):
                 and all(isinstance(v, np.ndarray) for v in tensors.values())):
             raise ValueError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
                              f"saves it")
-    model = nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: AutoencoderKL(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return load_vae_weights(model, tensors, source=weights)
 
 
