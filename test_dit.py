@@ -2174,6 +2174,18 @@ def test_fid_inception_matches_pytorch_fid(inception, name):
     assert rel_err(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
 
 
+def test_fid_inception_multiplies_in_float32_on_every_backend():
+    """Every product of the InceptionV3 asks XLA for HIGHEST precision, so that FID does not depend
+    on the device (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs otherwise)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: fid.InceptionV3(rngs=nnx.Rngs(0))))
+    found = products(lambda s, x: nnx.merge(graphdef, s)(x), state,
+                     jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.uint8))
+    # every conv and the fc layer, and the resize's two products
+    assert len(found) == len(convs_and_linears(nnx.merge(graphdef, state))) + 2
+    assert all(p == (jax.lax.Precision.HIGHEST,) * 2 and t == jnp.float32
+               for _, p, t in found), found
+
+
 def test_fid_frechet_distance_matches_pytorch_fid():
     ref = np.load(fixture("inception_reference.npz"))
     value = fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"], ref["sigma2"])
