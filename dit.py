@@ -2315,10 +2315,18 @@ def save_grid(images, path):
     make_grid(images).save(path)
 
 
+# Images each device decodes at a time. The SD VAE decoder's largest activation, the 256-channel
+# input of its last level at 256x256, is 64 MiB per image in float32 (500 images asked for 31 GiB
+# in one allocation); with what is live beside it, XLA's buffer assignment needs 224 MiB per image
+# in float32 (its CPU compiler's count). 32 images, the official sample_ddp.py's default batch per
+# GPU: about 7 GiB in float32, half that in bfloat16, at any sampling batch.
+DECODE_CHUNK = 32
+
+
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given."""
+    given, at most DECODE_CHUNK per device at a time."""
 
     def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale,
                  guidance_channels=None, interval=None, vae=None, latent_scale=None,
@@ -2340,9 +2348,15 @@ class Sampler:
         else:
             self.vae = None
 
+        def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
+            vae = nnx.merge(self.vae[0], vae_params)
+            one = lambda z: vae.decode(z[None])[0]  # noqa: E731  (h, w, C) -> (H, W, 3)
+            return jax.lax.map(one, z, batch_size=DECODE_CHUNK)
+
         def finish(vae_params, x):
             if vae_params is not None:
-                x = nnx.merge(self.vae[0], vae_params).decode(x / latent_scale)
+                x = jax.shard_map(decode, mesh=mesh, in_specs=(P(), P("data")),
+                                  out_specs=P("data"))(vae_params, x / latent_scale)
             return to_uint8(x)
 
         self.finish = jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
@@ -2410,7 +2424,8 @@ class Evaluator:
     def __init__(self, args, graphdef, objective, mesh, ds):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
                                     method=DEFAULT_SAMPLER[args.objective][0],
-                                    vae=load_vae(args.vae) if ds.is_latent else None,
+                                    vae=(load_vae(args.vae, dtype=compute_dtype(args.precision))
+                                         if ds.is_latent else None),
                                     latent_scale=ds.latent_scale)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
@@ -2522,7 +2537,8 @@ def sample_command(args):
         check_batch_size(args.batch_size)
         if args.gif:
             raise SystemExit("--gif animates a grid; it does not go with --fid")
-    model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
+    dtype = compute_dtype(args.precision)
+    model, obj, meta = load_model(args.ckpt, dtype)
     objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"),
                                obj.get("loc", 0.0), obj.get("scale", 1.0))
     default_method, default_steps = DEFAULT_SAMPLER[obj["name"]]
@@ -2536,7 +2552,8 @@ def sample_command(args):
                       method=args.sampler or default_method, cfg_scale=args.cfg_scale,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
                       interval=args.guidance_interval,
-                      vae=load_vae(args.vae) if latent_scale else None, latent_scale=latent_scale,
+                      vae=load_vae(args.vae, dtype=dtype) if latent_scale else None,
+                      latent_scale=latent_scale,
                       return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
@@ -2689,7 +2706,7 @@ def build_parser():
     s.add_argument("--batch-size", type=int, default=64, help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
     s.add_argument("--precision", default="fp32", choices=["bf16", "fp32"],
-                   help="compute dtype of the model")
+                   help="compute dtype of the model and the VAE")
 
     e = sub.add_parser("export", help="write the EMA weights of a checkpoint as .safetensors")
     e.add_argument("--ckpt", required=True, help="training checkpoint .npz")

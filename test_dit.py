@@ -1757,6 +1757,45 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
         assert np.bincount(f["labels"]).tolist() == [5, 5]
 
 
+def test_sampler_decodes_each_devices_share_in_chunks(tmp_path):
+    """Over 2 devices, 7 latents each, 3 at a time (two chunks and a remainder of 1): the images of
+    decoding the whole batch at once. The decoder's working memory (XLA's count) stays that of one
+    chunk at 4 times the batch."""
+    script = f"""
+import json, sys, time, jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+sys.path.insert(0, {HERE!r})
+import dit
+assert jax.device_count() == 2
+dit.DECODE_CHUNK = 3
+vae = dit.load_vae({fixture("vae_reference")!r})
+cfg = dit.DiTConfig(input_size=16, hidden_size=32, depth=1, num_heads=2)  # not run here
+graphdef = nnx.graphdef(nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0))))
+sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=1,
+                      method="euler", cfg_scale=1.0, vae=vae, latent_scale=0.5)
+chunked = lambda z: sampler.finish(sampler.vae[1], z)
+whole = lambda z: dit.to_uint8(vae.decode(z / 0.5))
+x = jax.random.normal(jax.random.key(0), (14, 16, 16, 4))  # (B, h, w, latent)
+def compile(fn, n):
+    return jax.jit(fn).lower(jax.ShapeDtypeStruct((n, 16, 16, 4), jnp.float32)).compile()
+for name, fn in (("chunked", chunked), ("whole", whole)):
+    np.save({str(tmp_path)!r} + f"/{{name}}.npy", np.asarray(compile(fn, len(x))(x)))
+# working memory in bytes at 14 and at 56 latents
+print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n in (14, 56)]))
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300,
+                         capture_output=True, text=True).stdout
+    chunked, whole = np.load(tmp_path / "chunked.npy"), np.load(tmp_path / "whole.npy")
+    assert chunked.shape == (14, 32, 32, 3) and chunked.std() > 0
+    # float32 sums taken in another order may round a value across an integer, rarely
+    diff = np.abs(chunked.astype(int) - whole)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff > 0).sum()
+    temp = json.loads(out.splitlines()[-1])
+    assert temp[1] < 1.2 * temp[0], temp
+
+
 #################################################################################
 #                                 14. Benchmark                                 #
 #################################################################################
