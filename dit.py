@@ -2010,6 +2010,10 @@ RECIPES = {
                   steps=1_000, log_every=20, ckpt_every=250, sample_every=100),
 }
 
+# The steps that `train --profile` traces, counted from the first step this process runs, which
+# compiles the training step: the trace shows the steps that follow, not the compilation.
+PROFILE_STEPS = range(10, 15)
+
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "objective", "timestep_sampling", "ln_loc", "ln_scale",
                 "batch_size", "lr", "warmup", "grad_clip", "ema_decay", "seed", "resolution")
@@ -2221,6 +2225,10 @@ def train(args):
     start = int(to_host(state["step"]))
     if checkpoint:
         print(f"resumed {checkpoint}")
+    if args.profile and args.steps < start + PROFILE_STEPS.stop:
+        raise SystemExit(f"--profile traces steps {start + PROFILE_STEPS.start + 1} to "
+                         f"{start + PROFILE_STEPS.stop}, after step {start} where this run starts; "
+                         f"it ends at step {args.steps}")
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
@@ -2237,11 +2245,17 @@ def train(args):
     with Loader(ds, args.batch_size, args.seed, start, jax.process_index(),
                 jax.process_count()) as loader:
         for step, (x, y) in zip(bar, loader):
+            if args.profile and step - start == PROFILE_STEPS.start:
+                jax.block_until_ready(state)  # so that the trace holds none of the earlier steps
+                jax.profiler.start_trace(args.profile)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
             state, metrics = step_fn(state, x, y)
             log.add(metrics)
             done = step + 1
+            if args.profile and done - start == PROFILE_STEPS.stop:
+                jax.block_until_ready(state)  # the traced steps run on the device until here
+                jax.profiler.stop_trace()
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or done == args.steps:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
@@ -2681,6 +2695,10 @@ def build_parser():
     t.add_argument("--fid-cfg-scale", type=float, default=1.5, help="guidance scale of FID samples")
     t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: "
                    "<data-dir>/fid_stats.npz)")
+    t.add_argument("--profile", metavar="DIR",
+                   help=f"write a jax.profiler trace of steps {PROFILE_STEPS.start + 1} to "
+                   f"{PROFILE_STEPS.stop} of this process to DIR (TensorBoard or Perfetto opens "
+                   f"it)")
 
     s = sub.add_parser("sample", parents=[weights, hosts],
                        help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")

@@ -9,6 +9,7 @@ way for another configuration test the same things. Tests on real images read $D
 Run: python -m pytest -q test_dit.py
 """
 import dataclasses
+import glob
 import gzip
 import hashlib
 import io
@@ -1611,13 +1612,26 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
+def executions(trace_dir, function):
+    """How many times the trace under trace_dir called the jit-compiled `function` (read from its
+    Perfetto JSON, written beside the .xplane.pb; jax nests a second event in each call's)."""
+    [path] = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(path) as f:
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in json.load(f)["traceEvents"]
+                 if e.get("name") == f"PjitFunction({function})"]
+    return sum(not any(a < start <= b for a, b in spans) for start, _ in spans)
+
+
 def test_loss_falls_on_mnist(tmp_path):
+    """The demo's loss falls within 60 steps; on the way, --profile traces steps 11 to 15."""
     run_dit(tmp_path, ["--dataset", "mnist", "--data-dir", data("mnist"), "--size", "T", "--patch",
                        "4", "--batch-size", "32", "--steps", "60", "--log-every", "10",
                        "--ckpt-every", "60", "--sample-every", "60", "--sample-steps", "4",
-                       "--final-fid", "0", "--lr", "1e-3", "--run-dir", str(tmp_path / "run")])
+                       "--final-fid", "0", "--lr", "1e-3", "--run-dir", str(tmp_path / "run"),
+                       "--profile", str(tmp_path / "profile")])
     loss = losses(tmp_path / "run")
     assert loss[-1] < 0.75 * loss[0], loss
+    assert executions(tmp_path / "profile", "train_step") == 5
     grid = np.asarray(Image.open(tmp_path / "run" / "samples" / "step_0000060.png"))
     assert grid.ndim == 2 and grid.shape[0] > 28  # a grayscale grid of several digits
     # FID samples of a grayscale model are stored as RGB, the layout fid.py and OpenAI's evaluator
@@ -1838,6 +1852,7 @@ def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
     (["--resume"], "--resume: no checkpoint in"),
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--keep", "0"], "--keep must be at least 1"),
+    (["--profile", "trace"], "--profile traces steps 11 to 15, after step 0 .* ends at step 2"),
     (["bench", "--batch-size", "0"], "--batch-size 0 does not split"),
     (["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"], "--gif animates a grid"),
     (["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"],
