@@ -2340,7 +2340,8 @@ DECODE_CHUNK = 32
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given, at most DECODE_CHUNK per device at a time."""
+    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time spent sampling
+    and decoding."""
 
     def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale,
                  guidance_channels=None, interval=None, vae=None, latent_scale=None,
@@ -2374,6 +2375,7 @@ class Sampler:
             return to_uint8(x)
 
         self.finish = jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
+        self.seconds = {"sample": 0.0, "decode": 0.0}
 
     def images(self, x):
         """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1) on this host."""
@@ -2383,18 +2385,29 @@ class Sampler:
         """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with
         return_trajectory, also the images of at most 60 evenly spaced steps, noise first
         (F, B, H', W', C'), for an animation."""
-        out = self.run(params, noise, y, key)
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.run(params, noise, y, key))
+        sampled = time.perf_counter()
         if self.trajectory:
             x, traj = out
             frames = np.linspace(0, len(traj) - 1, min(len(traj), 60)).round().astype(int)
-            return self.images(x), np.stack([self.images(traj[i]) for i in frames])
-        return self.images(out)
+            images = self.images(x), np.stack([self.images(traj[i]) for i in frames])
+        else:
+            images = self.images(out)
+        self.seconds["sample"] += sampled - start
+        self.seconds["decode"] += time.perf_counter() - sampled  # and the copy to the host
+        return images
 
 
 def spread_labels(n, num_classes):
     """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional
     model). (n,)"""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
+
+
+# The guidance scale of FID samples (train --fid-cfg-scale, bench --fid): the paper's best FID-50K,
+# 2.27 for DiT-XL/2, was sampled at 1.5.
+FID_CFG_SCALE = 1.5
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
@@ -2498,10 +2511,37 @@ def dit_flops(cfg):
     return 2 * (cfg.depth * per_block + embed)
 
 
+def profiled(profile_dir, name):
+    """A jax.profiler trace of the block into profile_dir/name (TensorBoard shows one run per name),
+    or nothing when profile_dir is None."""
+    return (jax.profiler.trace(os.path.join(profile_dir, name)) if profile_dir
+            else contextlib.nullcontext())
+
+
+def timed(step, n, profile_dir, name):
+    """(seconds of the first call of `step`, which compiles it; seconds per call over the n calls
+    after it, traced as `name`). `step` returns arrays to wait for."""
+    start = time.perf_counter()
+    jax.block_until_ready(step())
+    compile_s = time.perf_counter() - start
+    with profiled(profile_dir, name):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = step()
+        jax.block_until_ready(out)
+        return compile_s, (time.perf_counter() - start) / n
+
+
 def bench(args):
-    """Training throughput on synthetic data: images/s, ms per step, peak memory and MFU."""
+    """Speed on synthetic data with random weights, on which speed does not depend: the training
+    step (ms per step, images/s, MFU, peak memory), the forward pass that every sampling step
+    repeats, and with --fid N, FID-N end to end (bench_fid). Returns the figures it prints."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
+    latent_channels = VAEConfig().latent_channels
+    if args.fid and args.channels != latent_channels:
+        raise SystemExit(f"--fid decodes with the SD VAE, whose latents have {latent_channels} "
+                         f"channels; use --channels {latent_channels}")
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size,
                      in_channels=args.channels, num_classes=1000,
                      learn_sigma=args.objective == "ddpm")
@@ -2511,32 +2551,76 @@ def bench(args):
     step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, 0, mesh,
                              shardings)
     batch = NamedSharding(mesh, P("data"))
-    shape = (args.batch_size, args.image_size, args.image_size, args.channels)
-    x = jax.device_put(jax.random.normal(jax.random.key(0), shape), batch)
-    y = jax.device_put(jnp.arange(args.batch_size) % 1000, batch)
-    t = time.perf_counter()
-    state, m = step_fn(state, x, y)
-    float(m["loss"])
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        state, m = step_fn(state, x, y)
-    float(m["loss"])
-    seconds = (time.perf_counter() - t) / args.steps
+    n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, *shape)), batch)
+    y = jax.device_put(jnp.arange(n) % 1000, batch)
+
+    def train_step():
+        nonlocal state
+        state, metrics = step_fn(state, x, y)
+        return metrics["loss"]
+
+    compile_s, seconds = timed(train_step, args.steps, args.profile, "train")
     device = jax.devices()[0]
-    flops = 3 * dit_flops(cfg) * args.batch_size  # backward = twice the forward
     peak = next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
     mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
-    mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
-           else "n/a (unknown peak)")
+
+    def speed(flops, seconds):  # flops of one call, seconds per call
+        mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
+               else "n/a (unknown peak)")
+        return (f"{1000 * seconds:.1f} ms/step | {n / seconds:.1f} images/s | "
+                f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu}")
+
     print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, "
-          f"global batch {args.batch_size}, {args.precision}{', remat' if args.remat else ''}"
+          f"global batch {n}, {args.precision}{', remat' if args.remat else ''}"
           f"{', fsdp' if args.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
-    print(f"  compile {compile_s:.1f} s | {1000 * seconds:.1f} ms/step | "
-          f"{args.batch_size / seconds:.1f} images/s | "
-          f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu} | "
+    # backward = twice the forward
+    print(f"  train:   compile {compile_s:.1f} s | {speed(3 * dit_flops(cfg) * n, seconds)} | "
           f"peak memory {f'{mem / 2**30:.2f} GiB' if mem else 'n/a'}")
-    return {"ms_per_step": 1000 * seconds, "images_per_s": args.batch_size / seconds}
+    forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
+                      in_shardings=(None, batch, batch, batch))
+    t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
+    compile_s, forward_s = timed(lambda: forward(state["params"], x, t, y), args.steps,
+                                 args.profile, "forward")
+    print(f"  forward: compile {compile_s:.1f} s | {speed(dit_flops(cfg) * n, forward_s)}")
+    figures = {"ms_per_step": 1000 * seconds, "images_per_s": n / seconds,
+               "forward_images_per_s": n / forward_s}
+    if args.fid:
+        figures["fid_seconds"] = bench_fid(args, cfg, graphdef, state["params"], mesh, shape)
+    return figures
+
+
+def bench_fid(args, cfg, graphdef, params, mesh, shape):
+    """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
+    guidance FID_CFG_SCALE, the full-size SD VAE in the model's compute dtype, the Inception
+    statistics. A first pass compiles each phase at the shapes timed after it. The Frechet distance,
+    a matrix square root on the host that does not depend on N, is left out. Returns the seconds
+    of each phase and their total."""
+    vae_cfg = VAEConfig()
+    vae = fid.random_weights(lambda: AutoencoderKL(vae_cfg, dtype=compute_dtype(args.precision),
+                                                   rngs=nnx.Rngs(0)))
+    inception = fid.random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
+    method, steps = DEFAULT_SAMPLER[args.objective]
+    sampler = Sampler(graphdef, make_objective(args.objective), mesh, steps=steps, method=method,
+                      cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
+    b = args.batch_size
+    start = time.perf_counter()
+    images, _ = generate(sampler, params, b, b, shape, cfg.num_classes, 0)
+    evaluate_samples(np.resize(images, (args.fid, *images.shape[1:])), None, inception)
+    warm_up = time.perf_counter() - start
+    sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
+    with profiled(args.profile, "fid"):
+        start = time.perf_counter()
+        images, _ = generate(sampler, params, args.fid, b, shape, cfg.num_classes, 0)
+        features = time.perf_counter()
+        evaluate_samples(images, None, inception)
+        end = time.perf_counter()
+    seconds = {**sampler.seconds, "Inception": end - features, "total": end - start}
+    print(f"  FID-{args.fid} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
+          f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
+          + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
+          + f" | {args.fid / seconds['total']:.2f} images/s")
+    return seconds
 
 
 #################################################################################
@@ -2692,7 +2776,8 @@ def build_parser():
     t.add_argument("--fid-samples", type=int, default=5000, help="samples for --fid-every")
     t.add_argument("--final-fid", type=int, default=10_000,
                    help="samples for the FID at the end (0: none)")
-    t.add_argument("--fid-cfg-scale", type=float, default=1.5, help="guidance scale of FID samples")
+    t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
+                   help="guidance scale of FID samples")
     t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: "
                    "<data-dir>/fid_stats.npz)")
     t.add_argument("--profile", metavar="DIR",
@@ -2731,12 +2816,20 @@ def build_parser():
     e.add_argument("--out", required=True, help="the .safetensors file to write")
 
     b = sub.add_parser("bench", parents=[model_options("S", 2, "bf16")],
-                       help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
+                       help="speed with random weights: training and forward images/s, ms/step, "
+                       "memory, MFU; FID-N end to end")
     b.add_argument("--image-size", type=int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
     b.add_argument("--channels", type=int, default=4, help="input channels (latents: 4)")
-    b.add_argument("--batch-size", type=int, default=256, help="global batch")
-    b.add_argument("--steps", type=int, default=10, help="timed steps after the compiling one")
+    b.add_argument("--batch-size", type=int, default=256,
+                   help="global batch of training, of the forward pass and of FID sampling")
+    b.add_argument("--steps", type=int, default=10,
+                   help="timed training steps and forward passes after the compiling one")
+    b.add_argument("--fid", type=int, default=0, metavar="N",
+                   help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
+    b.add_argument("--profile", metavar="DIR",
+                   help="write jax.profiler traces of the timed steps to DIR/train, DIR/forward "
+                   "and DIR/fid (TensorBoard or Perfetto opens them)")
     return parser
 
 

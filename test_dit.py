@@ -1816,14 +1816,32 @@ print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n
 
 
 def test_bench_reports_figures(tmp_path):
-    """The figures bench prints agree with each other: images/s is the batch over the step time."""
-    out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "8",
-                             "--batch-size", "8", "--precision", "fp32", "--steps", "2"], devices=2)
-    figures = dict((unit, float(value)) for value, unit in
-                   re.findall(r"([\d.]+) (s|ms/step|images/s|TFLOP/s)", out.stdout))
-    assert figures["s"] > 0 and figures["ms/step"] > 0
-    assert figures["images/s"] == pytest.approx(8 / (figures["ms/step"] / 1000), rel=0.01)
-    assert "MFU n/a" in out.stdout  # a CPU has no known peak
+    """The figures bench prints agree with each other: images/s is the batch over the time of a
+    step, FID-N's phases add up to its total, N over the total is its images/s; the traces hold
+    the timed steps and not the compiling one."""
+    profile = tmp_path / "profile"
+    out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "4",
+                             "--batch-size", "4", "--precision", "fp32", "--steps", "2", "--fid",
+                             "6", "--profile", str(profile)], devices=2)
+    lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines()}
+    for name in ("train", "forward"):
+        figures = {unit: float(value) for value, unit in
+                   re.findall(r"([\d.]+) (s|ms/step|images/s|TFLOP/s)", lines[name])}
+        assert figures["s"] > 0 and figures["ms/step"] > 0, lines[name]
+        # ms/step is printed to 0.1
+        assert figures["ms/step"] == pytest.approx(1000 * 4 / figures["images/s"], abs=0.051)
+        assert "MFU n/a" in lines[name]  # a CPU has no known peak
+    [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
+    assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
+    seconds = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+) s\b", fid_line)}
+    phases = [seconds["sample"], seconds["decode"], seconds["Inception"]]
+    assert min(phases) > 0 and sum(phases) <= seconds["total"] + 0.002
+    assert seconds["total"] - sum(phases) < 0.1 * seconds["total"]
+    images_per_s = float(re.search(r"([\d.]+) images/s", fid_line).group(1))
+    assert images_per_s == pytest.approx(6 / seconds["total"], abs=0.006)
+    assert executions(profile / "train", "train_step") == 2
+    assert executions(profile / "forward", "<lambda>") == 2
+    assert glob.glob(str(profile / "fid" / "plugins" / "profile" / "*" / "*.xplane.pb"))
 
 
 def test_flops_match_the_paper():
