@@ -1230,23 +1230,24 @@ class VAEConfig:
                              f"splits the channels into groups)")
 
 
-def _group_norm(channels, groups, rngs):
+def _group_norm(channels, groups, dtype, rngs):
     # two-pass variance like torch's GroupNorm; the one-pass E[x^2]-E[x]^2 loses digits on large
-    # activations
+    # activations. flax computes the statistics in float32 whatever `dtype` is.
     return nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, use_fast_variance=False,
-                         rngs=rngs)
+                         dtype=dtype, rngs=rngs)
 
 
 class VAEResnetBlock(nnx.Module):
     """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1
     shortcut when the channel count changes."""
 
-    def __init__(self, cin, cout, groups, *, rngs):
-        self.norm1 = _group_norm(cin, groups, rngs)
-        self.conv1 = nnx.Conv(cin, cout, (3, 3), padding=1, rngs=rngs)
-        self.norm2 = _group_norm(cout, groups, rngs)
-        self.conv2 = nnx.Conv(cout, cout, (3, 3), padding=1, rngs=rngs)
-        self.conv_shortcut = nnx.Conv(cin, cout, (1, 1), rngs=rngs) if cin != cout else None
+    def __init__(self, cin, cout, groups, *, dtype, rngs):
+        self.norm1 = _group_norm(cin, groups, dtype, rngs)
+        self.conv1 = nnx.Conv(cin, cout, (3, 3), padding=1, dtype=dtype, rngs=rngs)
+        self.norm2 = _group_norm(cout, groups, dtype, rngs)
+        self.conv2 = nnx.Conv(cout, cout, (3, 3), padding=1, dtype=dtype, rngs=rngs)
+        self.conv_shortcut = (nnx.Conv(cin, cout, (1, 1), dtype=dtype, rngs=rngs) if cin != cout
+                              else None)
 
     def __call__(self, x):  # (B, H, W, cin) -> (B, H, W, cout)
         h = self.conv1(nnx.silu(self.norm1(x)))
@@ -1261,19 +1262,20 @@ class VAEAttention(nnx.Module):
     GroupNorm in front, residual around it (diffusers Attention with AttnProcessor2_0,
     heads = 1)."""
 
-    def __init__(self, channels, groups, *, rngs):
-        self.group_norm = _group_norm(channels, groups, rngs)
-        self.to_q = nnx.Linear(channels, channels, rngs=rngs)
-        self.to_k = nnx.Linear(channels, channels, rngs=rngs)
-        self.to_v = nnx.Linear(channels, channels, rngs=rngs)
-        self.to_out = nnx.Linear(channels, channels, rngs=rngs)
+    def __init__(self, channels, groups, *, dtype, rngs):
+        self.group_norm = _group_norm(channels, groups, dtype, rngs)
+        self.to_q = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_k = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_v = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C)
         B, H, W, C = x.shape
         h = self.group_norm(x).reshape(B, H * W, C)
         q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (B, HW, C) each
-        weights = jax.nn.softmax(jnp.einsum("bqc,bkc->bqk", q, k) / np.sqrt(C),
-                                 axis=-1)  # (B, HW, HW)
+        scores = jnp.einsum("bqc,bkc->bqk", q, k).astype(jnp.float32) / np.sqrt(C)  # (B, HW, HW)
+        # the softmax's sums in float32 also when the layers compute in bfloat16
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v))
         return x + out.reshape(B, H, W, C)
 
@@ -1283,9 +1285,9 @@ class VAEDownsample(nnx.Module):
     symmetrically, a quirk inherited from the original LDM code; the weights were trained with
     it."""
 
-    def __init__(self, channels, *, rngs):
+    def __init__(self, channels, *, dtype, rngs):
         self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
-                             rngs=rngs)
+                             dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C)
         return self.conv(x)
@@ -1294,8 +1296,8 @@ class VAEDownsample(nnx.Module):
 class VAEUpsample(nnx.Module):
     """Nearest-neighbour x2 then a 3x3 conv (diffusers Upsample2D with use_conv=True)."""
 
-    def __init__(self, channels, *, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, rngs=rngs)
+    def __init__(self, channels, *, dtype, rngs):
+        self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C) -> (B, 2H, 2W, C)
         x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
@@ -1307,10 +1309,11 @@ class DownEncoderBlock(nnx.Module):
     block. The one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading
     a name mapping."""
 
-    def __init__(self, cin, cout, n, groups, downsample, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs)
-                                 for i in range(n)])
-        self.downsamplers = nnx.List([VAEDownsample(cout, rngs=rngs)] if downsample else [])
+    def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
+                                                rngs=rngs) for i in range(n)])
+        self.downsamplers = nnx.List([VAEDownsample(cout, dtype=dtype, rngs=rngs)] if downsample
+                                     else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.downsamplers]:
@@ -1322,10 +1325,10 @@ class UpDecoderBlock(nnx.Module):
     """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last
     block."""
 
-    def __init__(self, cin, cout, n, groups, upsample, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, rngs=rngs)
-                                 for i in range(n)])
-        self.upsamplers = nnx.List([VAEUpsample(cout, rngs=rngs)] if upsample else [])
+    def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
+        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
+                                                rngs=rngs) for i in range(n)])
+        self.upsamplers = nnx.List([VAEUpsample(cout, dtype=dtype, rngs=rngs)] if upsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.upsamplers]:
@@ -1336,10 +1339,10 @@ class UpDecoderBlock(nnx.Module):
 class VAEMidBlock(nnx.Module):
     """diffusers UNetMidBlock2D at the lowest resolution: ResnetBlock, attention, ResnetBlock."""
 
-    def __init__(self, channels, groups, *, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, rngs=rngs)
+    def __init__(self, channels, groups, *, dtype, rngs):
+        self.resnets = nnx.List([VAEResnetBlock(channels, channels, groups, dtype=dtype, rngs=rngs)
                                  for _ in range(2)])
-        self.attentions = nnx.List([VAEAttention(channels, groups, rngs=rngs)])
+        self.attentions = nnx.List([VAEAttention(channels, groups, dtype=dtype, rngs=rngs)])
 
     def __call__(self, x):
         x = self.resnets[0](x)
@@ -1351,16 +1354,17 @@ class VAEEncoder(nnx.Module):
     """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with
     f = 2**(len(block_out_channels) - 1): every block but the last halves the resolution."""
 
-    def __init__(self, cfg, *, rngs):
+    def __init__(self, cfg, *, dtype, rngs):
         ch, g = cfg.block_out_channels, cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, rngs=rngs)
+        self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
         self.down_blocks = nnx.List([
             DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1,
-                             rngs=rngs)
+                             dtype=dtype, rngs=rngs)
             for i in range(len(ch))])
-        self.mid_block = VAEMidBlock(ch[-1], g, rngs=rngs)
-        self.conv_norm_out = _group_norm(ch[-1], g, rngs)
-        self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[-1], g, dtype=dtype, rngs=rngs)
+        self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
+        self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, dtype=dtype,
+                                 rngs=rngs)
 
     def __call__(self, x):
         x = self.conv_in(x)
@@ -1374,16 +1378,18 @@ class VAEDecoder(nnx.Module):
     """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one
     more ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
 
-    def __init__(self, cfg, *, rngs):
+    def __init__(self, cfg, *, dtype, rngs):
         ch, g = cfg.block_out_channels[::-1], cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, rngs=rngs)
-        self.mid_block = VAEMidBlock(ch[0], g, rngs=rngs)
+        self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, dtype=dtype,
+                                rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[0], g, dtype=dtype, rngs=rngs)
         self.up_blocks = nnx.List([
             UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1,
-                           rngs=rngs)
+                           dtype=dtype, rngs=rngs)
             for i in range(len(ch))])
-        self.conv_norm_out = _group_norm(ch[-1], g, rngs)
-        self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, rngs=rngs)
+        self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
+        self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, dtype=dtype,
+                                 rngs=rngs)
 
     def __call__(self, z):
         x = self.mid_block(self.conv_in(z))
@@ -1395,15 +1401,20 @@ class VAEDecoder(nnx.Module):
 class AutoencoderKL(nnx.Module):
     """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar);
     DiT trains on z = (mean + exp(logvar / 2) * eps) * scaling_factor and samples
-    decode(z / scaling_factor)."""
+    decode(z / scaling_factor).
 
-    def __init__(self, cfg: VAEConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.encoder = VAEEncoder(cfg, rngs=rngs)
-        self.decoder = VAEDecoder(cfg, rngs=rngs)
+    `dtype` is the compute dtype of the convolutions and linear layers (bfloat16 to decode DiT's
+    bfloat16 samples); parameters, GroupNorm statistics and the outputs stay float32.
+    """
+
+    def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        self.encoder = VAEEncoder(cfg, dtype=dtype, rngs=rngs)
+        self.decoder = VAEDecoder(cfg, dtype=dtype, rngs=rngs)
         self.quant_conv = nnx.Conv(2 * cfg.latent_channels, 2 * cfg.latent_channels, (1, 1),
-                                   rngs=rngs)
-        self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1), rngs=rngs)
+                                   dtype=dtype, rngs=rngs)
+        self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1),
+                                        dtype=dtype, rngs=rngs)
 
     def _check(self, x, channels, what):
         if x.ndim != 4 or x.shape[-1] != channels:
@@ -1412,17 +1423,20 @@ class AutoencoderKL(nnx.Module):
                              f"x.transpose(0, 2, 3, 1)")
 
     def encode(self, x):
-        """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each."""
+        """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each, float32."""
         self._check(x, self.cfg.in_channels, "encode")
-        moments = self.quant_conv(self.encoder(x))
+        with matmul_precision(self.dtype):
+            moments = self.quant_conv(self.encoder(x)).astype(jnp.float32)
         mean, logvar = jnp.split(moments, 2, axis=-1)
         # the clamp diffusers' DiagonalGaussianDistribution applies
         return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, z):
-        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1]."""
+        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1],
+        float32."""
         self._check(z, self.cfg.latent_channels, "decode")
-        return self.decoder(self.post_quant_conv(z))
+        with matmul_precision(self.dtype):
+            return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
 
 
 #################################################################################
@@ -1472,8 +1486,14 @@ def load_vae_weights(model, tensors, source="the weight file"):
     return set_params(model, values)
 
 
-def load_vae(source="ema", cache_dir=None):
-    """Build the AutoencoderKL with released weights. `source`: "ema" or "mse"
+def vae_dtype(precision):
+    """The VAE's compute dtype at a sampling precision: the model's, except float16, in which the
+    SD VAE's activations overflow (diffusers upcasts it to float32 then, force_upcast)."""
+    return jnp.float32 if precision == "fp16" else compute_dtype(precision)
+
+
+def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
+    """Build the AutoencoderKL with released weights, computing in `dtype`. `source`: "ema" or "mse"
     (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default $DIT_CACHE or
     ~/.cache/dit-jax, when missing), a diffusers folder (config.json +
     diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
@@ -1517,7 +1537,7 @@ def load_vae(source="ema", cache_dir=None):
                 and all(isinstance(v, np.ndarray) for v in tensors.values())):
             raise ValueError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
                              f"saves it")
-    model = nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: AutoencoderKL(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return load_vae_weights(model, tensors, source=weights)
 
 
@@ -2189,6 +2209,10 @@ RECIPES = {
                   steps=1_000, log_every=20, ckpt_every=250, sample_every=100),
 }
 
+# The steps that `train --profile` traces, counted from the first step this process runs, which
+# compiles the training step: the trace shows the steps that follow, not the compilation.
+PROFILE_STEPS = range(10, 15)
+
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit+"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
@@ -2433,6 +2457,10 @@ def train(args):
     start = int(to_host(state["step"]))
     if checkpoint:
         print(f"resumed {checkpoint}")
+    if args.profile and args.steps < start + PROFILE_STEPS.stop:
+        raise SystemExit(f"--profile traces steps {start + PROFILE_STEPS.start + 1} to "
+                         f"{start + PROFILE_STEPS.stop}, after step {start} where this run starts; "
+                         f"it ends at step {args.steps}")
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
@@ -2449,11 +2477,17 @@ def train(args):
     with Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
                 subset=train_idx) as loader:
         for step, (x, y) in zip(bar, loader):
+            if args.profile and step - start == PROFILE_STEPS.start:
+                jax.block_until_ready(state)  # so that the trace holds none of the earlier steps
+                jax.profiler.start_trace(args.profile)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
             state, metrics = step_fn(state, x, y)
             log.add(metrics)
             done = step + 1
+            if args.profile and done - start == PROFILE_STEPS.stop:
+                jax.block_until_ready(state)  # the traced steps run on the device until here
+                jax.profiler.stop_trace()
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or done == args.steps:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
@@ -2530,10 +2564,19 @@ def save_grid(images, path):
     make_grid(images).save(path)
 
 
+# Images each device decodes at a time. The SD VAE decoder's largest activation, the 256-channel
+# input of its last level at 256x256, is 64 MiB per image in float32 (500 images asked for 31 GiB
+# in one allocation); with what is live beside it, XLA's buffer assignment needs 224 MiB per image
+# in float32 (its CPU compiler's count). 32 images, the official sample_ddp.py's default batch per
+# GPU: about 7 GiB in float32, half that in bfloat16, at any sampling batch.
+DECODE_CHUNK = 32
+
+
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given."""
+    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time spent sampling
+    and decoding."""
 
     def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale,
                  guidance_channels=None, interval=None, vae=None, latent_scale=None,
@@ -2555,12 +2598,19 @@ class Sampler:
         else:
             self.vae = None
 
+        def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
+            vae = nnx.merge(self.vae[0], vae_params)
+            one = lambda z: vae.decode(z[None])[0]  # noqa: E731  (h, w, C) -> (H, W, 3)
+            return jax.lax.map(one, z, batch_size=DECODE_CHUNK)
+
         def finish(vae_params, x):
             if vae_params is not None:
-                x = nnx.merge(self.vae[0], vae_params).decode(x / latent_scale)
+                x = jax.shard_map(decode, mesh=mesh, in_specs=(P(), P("data")),
+                                  out_specs=P("data"))(vae_params, x / latent_scale)
             return to_uint8(x)
 
         self.finish = jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
+        self.seconds = {"sample": 0.0, "decode": 0.0}
 
     def images(self, x):
         """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1) on this host."""
@@ -2570,18 +2620,29 @@ class Sampler:
         """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with
         return_trajectory, also the images of at most 60 evenly spaced steps, noise first
         (F, B, H', W', C'), for an animation."""
-        out = self.run(params, noise, y, key)
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.run(params, noise, y, key))
+        sampled = time.perf_counter()
         if self.trajectory:
             x, traj = out
             frames = np.linspace(0, len(traj) - 1, min(len(traj), 60)).round().astype(int)
-            return self.images(x), np.stack([self.images(traj[i]) for i in frames])
-        return self.images(out)
+            images = self.images(x), np.stack([self.images(traj[i]) for i in frames])
+        else:
+            images = self.images(out)
+        self.seconds["sample"] += sampled - start
+        self.seconds["decode"] += time.perf_counter() - sampled  # and the copy to the host
+        return images
 
 
 def spread_labels(n, num_classes):
     """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional
     model). (n,)"""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
+
+
+# The guidance scale of FID samples (train --fid-cfg-scale, bench --fid): the paper's best FID-50K,
+# 2.27 for DiT-XL/2, was sampled at 1.5.
+FID_CFG_SCALE = 1.5
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
@@ -2625,7 +2686,8 @@ class Evaluator:
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
                                     method=DEFAULT_SAMPLER[args.objective][0],
-                                    vae=load_vae(args.vae) if ds.is_latent else None,
+                                    vae=(load_vae(args.vae, dtype=vae_dtype(args.precision))
+                                         if ds.is_latent else None),
                                     latent_scale=ds.latent_scale)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
@@ -2701,10 +2763,37 @@ def dit_flops(cfg):
     return 2 * (cfg.depth * per_block + embed)
 
 
+def profiled(profile_dir, name):
+    """A jax.profiler trace of the block into profile_dir/name (TensorBoard shows one run per name),
+    or nothing when profile_dir is None."""
+    return (jax.profiler.trace(os.path.join(profile_dir, name)) if profile_dir
+            else contextlib.nullcontext())
+
+
+def timed(step, n, profile_dir, name):
+    """(seconds of the first call of `step`, which compiles it; seconds per call over the n calls
+    after it, traced as `name`). `step` returns arrays to wait for."""
+    start = time.perf_counter()
+    jax.block_until_ready(step())
+    compile_s = time.perf_counter() - start
+    with profiled(profile_dir, name):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = step()
+        jax.block_until_ready(out)
+        return compile_s, (time.perf_counter() - start) / n
+
+
 def bench(args):
-    """Training throughput on synthetic data: images/s, ms per step, peak memory and MFU."""
+    """Speed on synthetic data with random weights, on which speed does not depend: the training
+    step (ms per step, images/s, MFU, peak memory), the forward pass that every sampling step
+    repeats, and with --fid N, FID-N end to end (bench_fid). Returns the figures it prints."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
+    latent_channels = VAEConfig().latent_channels
+    if args.fid and args.channels != latent_channels:
+        raise SystemExit(f"--fid decodes with the SD VAE, whose latents have {latent_channels} "
+                         f"channels; use --channels {latent_channels}")
     cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size,
                      in_channels=args.channels, num_classes=1000,
                      learn_sigma=args.objective == "ddpm", **architecture(args))
@@ -2714,33 +2803,77 @@ def bench(args):
     step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, 0, mesh,
                              shardings)
     batch = NamedSharding(mesh, P("data"))
-    shape = (args.batch_size, args.image_size, args.image_size, args.channels)
-    x = jax.device_put(jax.random.normal(jax.random.key(0), shape), batch)
-    y = jax.device_put(jnp.arange(args.batch_size) % 1000, batch)
-    t = time.perf_counter()
-    state, m = step_fn(state, x, y)
-    float(m["loss"])
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        state, m = step_fn(state, x, y)
-    float(m["loss"])
-    seconds = (time.perf_counter() - t) / args.steps
+    n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, *shape)), batch)
+    y = jax.device_put(jnp.arange(n) % 1000, batch)
+
+    def train_step():
+        nonlocal state
+        state, metrics = step_fn(state, x, y)
+        return metrics["loss"]
+
+    compile_s, seconds = timed(train_step, args.steps, args.profile, "train")
     device = jax.devices()[0]
-    flops = 3 * dit_flops(cfg) * args.batch_size  # backward = twice the forward
     peak = next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
     mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
-    mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
-           else "n/a (unknown peak)")
+
+    def speed(flops, seconds):  # flops of one call, seconds per call
+        mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
+               else "n/a (unknown peak)")
+        return (f"{1000 * seconds:.1f} ms/step | {n / seconds:.1f} images/s | "
+                f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu}")
+
     print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, "
-          f"global batch {args.batch_size}, {args.arch}, {args.precision}"
+          f"global batch {n}, {args.arch}, {args.precision}"
           f"{f', remat {args.remat}' if args.remat else ''}"
           f"{', fsdp' if args.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
-    print(f"  compile {compile_s:.1f} s | {1000 * seconds:.1f} ms/step | "
-          f"{args.batch_size / seconds:.1f} images/s | "
-          f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu} | "
+    # backward = twice the forward
+    print(f"  train:   compile {compile_s:.1f} s | {speed(3 * dit_flops(cfg) * n, seconds)} | "
           f"peak memory {f'{mem / 2**30:.2f} GiB' if mem else 'n/a'}")
-    return {"ms_per_step": 1000 * seconds, "images_per_s": args.batch_size / seconds}
+    forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
+                      in_shardings=(None, batch, batch, batch))
+    t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
+    compile_s, forward_s = timed(lambda: forward(state["params"], x, t, y), args.steps,
+                                 args.profile, "forward")
+    print(f"  forward: compile {compile_s:.1f} s | {speed(dit_flops(cfg) * n, forward_s)}")
+    figures = {"ms_per_step": 1000 * seconds, "images_per_s": n / seconds,
+               "forward_images_per_s": n / forward_s}
+    if args.fid:
+        figures["fid_seconds"] = bench_fid(args, cfg, graphdef, state["params"], mesh, shape)
+    return figures
+
+
+def bench_fid(args, cfg, graphdef, params, mesh, shape):
+    """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
+    guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype's precision, the Inception
+    statistics. A first pass compiles each phase at the shapes timed after it. The Frechet distance,
+    a matrix square root on the host that does not depend on N, is left out. Returns the seconds
+    of each phase and their total."""
+    vae_cfg = VAEConfig()
+    vae = fid.random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
+                                                   rngs=nnx.Rngs(0)))
+    inception = fid.random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
+    method, steps = DEFAULT_SAMPLER[args.objective]
+    sampler = Sampler(graphdef, make_objective(args.objective), mesh, steps=steps, method=method,
+                      cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
+    b = args.batch_size
+    start = time.perf_counter()
+    images, _ = generate(sampler, params, b, b, shape, cfg.num_classes, 0)
+    evaluate_samples(np.resize(images, (args.fid, *images.shape[1:])), None, inception)
+    warm_up = time.perf_counter() - start
+    sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
+    with profiled(args.profile, "fid"):
+        start = time.perf_counter()
+        images, _ = generate(sampler, params, args.fid, b, shape, cfg.num_classes, 0)
+        features = time.perf_counter()
+        evaluate_samples(images, None, inception)
+        end = time.perf_counter()
+    seconds = {**sampler.seconds, "Inception": end - features, "total": end - start}
+    print(f"  FID-{args.fid} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
+          f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
+          + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
+          + f" | {args.fid / seconds['total']:.2f} images/s")
+    return seconds
 
 
 #################################################################################
@@ -2769,7 +2902,9 @@ def sample_command(args):
                       method=args.sampler or default_method, cfg_scale=args.cfg_scale,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
                       interval=args.guidance_interval,
-                      vae=load_vae(args.vae) if latent_scale else None, latent_scale=latent_scale,
+                      vae=load_vae(args.vae, dtype=vae_dtype(args.precision)) if latent_scale
+                      else None,
+                      latent_scale=latent_scale,
                       return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
@@ -2908,9 +3043,14 @@ def build_parser():
     t.add_argument("--fid-samples", type=int, default=5000, help="samples for --fid-every")
     t.add_argument("--final-fid", type=int, default=10_000,
                    help="samples for the FID at the end (0: none)")
-    t.add_argument("--fid-cfg-scale", type=float, default=1.5, help="guidance scale of FID samples")
+    t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
+                   help="guidance scale of FID samples")
     t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: "
                    "<data-dir>/fid_stats.npz)")
+    t.add_argument("--profile", metavar="DIR",
+                   help=f"write a jax.profiler trace of steps {PROFILE_STEPS.start + 1} to "
+                   f"{PROFILE_STEPS.stop} of this process to DIR (TensorBoard or Perfetto opens "
+                   f"it)")
 
     s = sub.add_parser("sample", parents=[weights, hosts],
                        help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
@@ -2944,12 +3084,20 @@ def build_parser():
     e.add_argument("--out", required=True, help="the .safetensors file to write")
 
     b = sub.add_parser("bench", parents=[model_options("S", 2)],
-                       help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
+                       help="speed with random weights: training and forward images/s, ms/step, "
+                       "memory, MFU; FID-N end to end")
     b.add_argument("--image-size", type=int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
     b.add_argument("--channels", type=int, default=4, help="input channels (latents: 4)")
-    b.add_argument("--batch-size", type=int, default=256, help="global batch")
-    b.add_argument("--steps", type=int, default=10, help="timed steps after the compiling one")
+    b.add_argument("--batch-size", type=int, default=256,
+                   help="global batch of training, of the forward pass and of FID sampling")
+    b.add_argument("--steps", type=int, default=10,
+                   help="timed training steps and forward passes after the compiling one")
+    b.add_argument("--fid", type=int, default=0, metavar="N",
+                   help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
+    b.add_argument("--profile", metavar="DIR",
+                   help="write jax.profiler traces of the timed steps to DIR/train, DIR/forward "
+                   "and DIR/fid (TensorBoard or Perfetto opens them)")
     return parser
 
 

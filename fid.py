@@ -567,8 +567,7 @@ def resize_bilinear(x, height, width):
     (to float32 rounding) and fast on any device.
     """
     rows, cols = resize_matrix(x.shape[1], height), resize_matrix(x.shape[2], width)
-    # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32. (The network's
-    # convolutions run at the default precision, TF32 on recent GPUs, as pytorch-fid's do on CUDA.)
+    # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32.
     x = jnp.einsum("oh,bhwc->bowc", rows, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, W, C)
     return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, width, C)
 
@@ -739,20 +738,24 @@ class InceptionV3(nnx.Module):
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != jnp.uint8:
             raise ValueError(f"InceptionV3 expects uint8 RGB images of shape (B, H, W, 3), got {images.dtype} "
                              f"{tuple(images.shape)}; convert floats in [0, 1] with (x * 255).round().astype(uint8)")
-        # pytorch-fid: uint8 / 255, bilinear resize to 299x299, then [0, 1] -> [-1, 1], in that order.
-        x = resize_bilinear(images.astype(jnp.float32) / 255, 299, 299)  # (B, 299, 299, 3)
-        x = 2 * x - 1
-        x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))  # (B, 147, 147, 64)
-        x = max_pool_3x3(x, 2)  # (B, 73, 73, 64)
-        x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))  # (B, 71, 71, 192)
-        x = max_pool_3x3(x, 2)  # (B, 35, 35, 192)
-        x = self.Mixed_5d(self.Mixed_5c(self.Mixed_5b(x)))  # (B, 35, 35, 288)
-        x = self.Mixed_6a(x)  # (B, 17, 17, 768)
-        x = self.Mixed_6e(self.Mixed_6d(self.Mixed_6c(self.Mixed_6b(x))))  # (B, 17, 17, 768)
-        x = self.Mixed_7a(x)  # (B, 8, 8, 1280)
-        x = self.Mixed_7c(self.Mixed_7b(x))  # (B, 8, 8, 2048)
-        pool = x.mean(axis=(1, 2))  # (B, 2048): pytorch-fid's "pool3" features
-        return pool, self.fc(pool)  # (B, 2048), (B, 1008)
+        # Float32 products on every backend, as pytorch-fid's reference numbers were computed: XLA
+        # otherwise multiplies float32 in TF32 on NVIDIA GPUs and in one bfloat16 pass on TPUs.
+        with jax.default_matmul_precision("highest"):
+            # pytorch-fid: uint8 / 255, bilinear resize to 299x299, then [0, 1] -> [-1, 1], in that
+            # order.
+            x = resize_bilinear(images.astype(jnp.float32) / 255, 299, 299)  # (B, 299, 299, 3)
+            x = 2 * x - 1
+            x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))  # (B, 147, 147, 64)
+            x = max_pool_3x3(x, 2)  # (B, 73, 73, 64)
+            x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))  # (B, 71, 71, 192)
+            x = max_pool_3x3(x, 2)  # (B, 35, 35, 192)
+            x = self.Mixed_5d(self.Mixed_5c(self.Mixed_5b(x)))  # (B, 35, 35, 288)
+            x = self.Mixed_6a(x)  # (B, 17, 17, 768)
+            x = self.Mixed_6e(self.Mixed_6d(self.Mixed_6c(self.Mixed_6b(x))))  # (B, 17, 17, 768)
+            x = self.Mixed_7a(x)  # (B, 8, 8, 1280)
+            x = self.Mixed_7c(self.Mixed_7b(x))  # (B, 8, 8, 2048)
+            pool = x.mean(axis=(1, 2))  # (B, 2048): pytorch-fid's "pool3" features
+            return pool, self.fc(pool)  # (B, 2048), (B, 1008)
 
 
 #################################################################################
@@ -1225,10 +1228,28 @@ def _is_statistics_file(source):
             and len(read_npz(source, ["mu", "sigma"])) == 2)
 
 
+def random_weights(build, seed=0):
+    """The module that `build` makes, with random values drawn on the host rather than by its
+    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a
+    minute to compile the initialisers of the InceptionV3 or of the SD VAE on a 2-core CPU. Arrays
+    of two or more dimensions (kernels) are normal with variance 1 / fan-in, the product of all but
+    their last dimension; vectors (biases, norm scales, BatchNorm statistics) are ones."""
+    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):  # jax.ShapeDtypeStruct -> array
+        if len(leaf.shape) < 2:
+            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
+        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
+        return jnp.asarray(kernel, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(draw, state))
+
+
 def benchmark(batch_sizes, image_size=256, steps=5):
     """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not depend on
     them). Each step is timed from host uint8 images to features on the device."""
-    inception = InceptionV3(rngs=nnx.Rngs(0))
+    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
     devices = jax.device_count()
     print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} uint8 inputs "
           f"resized to 299x299")

@@ -10,6 +10,7 @@ Run: python -m pytest -q test_dit.py
 """
 import dataclasses
 import functools
+import glob
 import gzip
 import hashlib
 import io
@@ -1033,6 +1034,60 @@ def test_vae_matches_diffusers():
     assert rel_err(vae.decode(nhwc(ref["mean"])), nhwc(ref["decoded"])) < 1e-5
 
 
+def products(fn, *args):
+    """(name, precision, input dtype) of every dot_general and conv_general_dilated that fn(*args)
+    traces, in nested jaxprs too; args may be jax.ShapeDtypeStructs."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                found.append((eqn.primitive.name, eqn.params["precision"],
+                              eqn.invars[0].aval.dtype))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                        walk(getattr(sub, "jaxpr", sub))
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def convs_and_linears(module):
+    return [type(m) for _, m in nnx.iter_graph(module) if isinstance(m, (nnx.Conv, nnx.Linear))]
+
+
+def test_float32_vae_multiplies_in_float32_on_every_backend():
+    """A float32 VAE asks XLA for HIGHEST precision in every product (else TF32 on NVIDIA GPUs,
+    one bfloat16 pass on TPUs); a bfloat16 one computes in bfloat16 at the default precision."""
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    cfg = VAEConfig(block_out_channels=(32, 64), norm_num_groups=16)  # every kind of layer
+    z = jax.ShapeDtypeStruct((1, 4, 4, 4), jnp.float32)  # (B, h, w, latent)
+    x = jax.ShapeDtypeStruct((1, 8, 8, 3), jnp.float32)  # (B, H, W, 3)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        graphdef, state = nnx.split(nnx.eval_shape(
+            lambda: AutoencoderKL(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+        vae = nnx.merge(graphdef, state)
+        decode = products(lambda s, z: nnx.merge(graphdef, s).decode(z), state, z)
+        encode = products(lambda s, x: nnx.merge(graphdef, s).encode(x), state, x)
+        # every conv and linear layer, post_quant_conv or quant_conv, the attention's 2 products
+        assert len(decode) == len(convs_and_linears(vae.decoder)) + 1 + 2
+        assert len(encode) == len(convs_and_linears(vae.encoder)) + 1 + 2
+        if dtype == jnp.float32:
+            assert all(p == highest for _, p, _ in decode + encode), decode + encode
+        else:
+            assert all(p is None and t == jnp.bfloat16 for _, p, t in decode + encode), decode
+
+
+def test_bfloat16_vae_decodes_close_to_float32():
+    ref = np.load(fixture("vae_reference.npz"))
+    decode = nnx.jit(lambda vae, z: vae.decode(z))
+    exact = decode(load_vae(fixture("vae_reference")), nhwc(ref["mean"]))
+    half = decode(load_vae(fixture("vae_reference"), dtype=jnp.bfloat16), nhwc(ref["mean"]))
+    assert half.dtype == jnp.float32  # the outputs stay float32
+    # measured 2.0e-2 on this random-weight VAE; bfloat16 keeps 8 bits of mantissa
+    assert 1e-3 < rel_err(half, exact) < 5e-2
+
+
 def test_vae_full_size_keys_and_shapes():
     """The default (SD kl-f8) configuration has exactly the parameters of the released VAE, as named
     by diffusers."""
@@ -1819,13 +1874,26 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
+def executions(trace_dir, function):
+    """How many times the trace under trace_dir called the jit-compiled `function` (read from its
+    Perfetto JSON, written beside the .xplane.pb; jax nests a second event in each call's)."""
+    [path] = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(path) as f:
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in json.load(f)["traceEvents"]
+                 if e.get("name") == f"PjitFunction({function})"]
+    return sum(not any(a < start <= b for a, b in spans) for start, _ in spans)
+
+
 def test_loss_falls_on_mnist(tmp_path):
+    """The demo's loss falls within 60 steps; on the way, --profile traces steps 11 to 15."""
     run_dit(tmp_path, ["--dataset", "mnist", "--data-dir", data("mnist"), "--size", "T", "--patch",
                        "4", "--batch-size", "32", "--steps", "60", "--log-every", "10",
                        "--ckpt-every", "60", "--sample-every", "60", "--sample-steps", "4",
-                       "--final-fid", "0", "--lr", "1e-3", "--run-dir", str(tmp_path / "run")])
+                       "--final-fid", "0", "--lr", "1e-3", "--run-dir", str(tmp_path / "run"),
+                       "--profile", str(tmp_path / "profile")])
     loss = losses(tmp_path / "run")
     assert loss[-1] < 0.75 * loss[0], loss
+    assert executions(tmp_path / "profile", "train_step") == 5
     grid = np.asarray(Image.open(tmp_path / "run" / "samples" / "step_0000060.png"))
     assert grid.ndim == 2 and grid.shape[0] > 28  # a grayscale grid of several digits
     # FID samples of a grayscale model are stored as RGB, the layout fid.py and OpenAI's evaluator
@@ -1965,20 +2033,77 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
         assert np.bincount(f["labels"]).tolist() == [5, 5]
 
 
+def test_sampler_decodes_each_devices_share_in_chunks(tmp_path):
+    """Over 2 devices, 7 latents each, 3 at a time (two chunks and a remainder of 1): the images of
+    decoding the whole batch at once. The decoder's working memory (XLA's count) stays that of one
+    chunk at 4 times the batch."""
+    script = f"""
+import json, sys, time, jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+sys.path.insert(0, {HERE!r})
+import dit
+assert jax.device_count() == 2
+dit.DECODE_CHUNK = 3
+vae = dit.load_vae({fixture("vae_reference")!r})
+cfg = dit.DiTConfig(input_size=16, hidden_size=32, depth=1, num_heads=2)  # not run here
+graphdef = nnx.graphdef(nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0))))
+sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=1,
+                      method="euler", cfg_scale=1.0, vae=vae, latent_scale=0.5)
+chunked = lambda z: sampler.finish(sampler.vae[1], z)
+whole = lambda z: dit.to_uint8(vae.decode(z / 0.5))
+x = jax.random.normal(jax.random.key(0), (14, 16, 16, 4))  # (B, h, w, latent)
+def compile(fn, n):
+    return jax.jit(fn).lower(jax.ShapeDtypeStruct((n, 16, 16, 4), jnp.float32)).compile()
+for name, fn in (("chunked", chunked), ("whole", whole)):
+    np.save({str(tmp_path)!r} + f"/{{name}}.npy", np.asarray(compile(fn, len(x))(x)))
+# working memory in bytes at 14 and at 56 latents
+print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n in (14, 56)]))
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300,
+                         capture_output=True, text=True).stdout
+    chunked, whole = np.load(tmp_path / "chunked.npy"), np.load(tmp_path / "whole.npy")
+    assert chunked.shape == (14, 32, 32, 3) and chunked.std() > 0
+    # float32 sums taken in another order may round a value across an integer, rarely
+    diff = np.abs(chunked.astype(int) - whole)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff > 0).sum()
+    temp = json.loads(out.splitlines()[-1])
+    assert temp[1] < 1.2 * temp[0], temp
+
+
 #################################################################################
 #                                 14. Benchmark                                 #
 #################################################################################
 
 
 def test_bench_reports_figures(tmp_path):
-    """The figures bench prints agree with each other: images/s is the batch over the step time."""
-    out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "8",
-                             "--batch-size", "8", "--precision", "fp32", "--steps", "2"], devices=2)
-    figures = dict((unit, float(value)) for value, unit in
-                   re.findall(r"([\d.]+) (s|ms/step|images/s|TFLOP/s)", out.stdout))
-    assert figures["s"] > 0 and figures["ms/step"] > 0
-    assert figures["images/s"] == pytest.approx(8 / (figures["ms/step"] / 1000), rel=0.01)
-    assert "MFU n/a" in out.stdout  # a CPU has no known peak
+    """The figures bench prints agree with each other: images/s is the batch over the time of a
+    step, FID-N's phases add up to its total, N over the total is its images/s; the traces hold
+    the timed steps and not the compiling one."""
+    profile = tmp_path / "profile"
+    out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "4",
+                             "--batch-size", "4", "--precision", "fp32", "--steps", "2", "--fid",
+                             "6", "--profile", str(profile)], devices=2)
+    lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines()}
+    for name in ("train", "forward"):
+        figures = {unit: float(value) for value, unit in
+                   re.findall(r"([\d.]+) (s|ms/step|images/s|TFLOP/s)", lines[name])}
+        assert figures["s"] > 0 and figures["ms/step"] > 0, lines[name]
+        # ms/step is printed to 0.1
+        assert figures["ms/step"] == pytest.approx(1000 * 4 / figures["images/s"], abs=0.051)
+        assert "MFU n/a" in lines[name]  # a CPU has no known peak
+    [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
+    assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
+    seconds = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+) s\b", fid_line)}
+    phases = [seconds["sample"], seconds["decode"], seconds["Inception"]]
+    assert min(phases) > 0 and sum(phases) <= seconds["total"] + 0.002
+    assert seconds["total"] - sum(phases) < 0.1 * seconds["total"]
+    images_per_s = float(re.search(r"([\d.]+) images/s", fid_line).group(1))
+    assert images_per_s == pytest.approx(6 / seconds["total"], abs=0.006)
+    assert executions(profile / "train", "train_step") == 2
+    assert executions(profile / "forward", "<lambda>") == 2
+    assert glob.glob(str(profile / "fid" / "plugins" / "profile" / "*" / "*.xplane.pb"))
 
 
 def test_flops_match_the_paper():
@@ -2007,6 +2132,7 @@ def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
     (["--resume"], "--resume: no checkpoint in"),
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--keep", "0"], "--keep must be at least 1"),
+    (["--profile", "trace"], "--profile traces steps 11 to 15, after step 0 .* ends at step 2"),
     (["bench", "--batch-size", "0"], "--batch-size 0 does not split"),
     (["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"], "--gif animates a grid"),
     (["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"],
@@ -2380,6 +2506,18 @@ def test_fid_inception_matches_pytorch_fid(inception, name):
     assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
     assert rel_err(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
     assert rel_err(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
+
+
+def test_fid_inception_multiplies_in_float32_on_every_backend():
+    """Every product of the InceptionV3 asks XLA for HIGHEST precision, so that FID does not depend
+    on the device (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs otherwise)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: fid.InceptionV3(rngs=nnx.Rngs(0))))
+    found = products(lambda s, x: nnx.merge(graphdef, s)(x), state,
+                     jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.uint8))
+    # every conv and the fc layer, and the resize's two products
+    assert len(found) == len(convs_and_linears(nnx.merge(graphdef, state))) + 2
+    assert all(p == (jax.lax.Precision.HIGHEST,) * 2 and t == jnp.float32
+               for _, p, t in found), found
 
 
 def test_fid_frechet_distance_matches_pytorch_fid():
