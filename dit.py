@@ -60,7 +60,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import fid
-from fid import load_torch, safe_unpickle
+from fid import InputError, load_torch, safe_unpickle
 
 #################################################################################
 #                                                                               #
@@ -1890,6 +1890,19 @@ def write_atomically(path, write):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def read_json(path, valid, expected, fix):
+    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
+    and saying `fix`, rather than later as a KeyError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not valid(obj):
+        raise InputError(f"{path} is not {expected}; {fix}")
+    return obj
 
 
 def save_checkpoint(run_dir, state, meta, keep):
