@@ -868,18 +868,18 @@ def load_state_dict(model, state_dict, what):
     names = {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
     if missing:
-        raise ValueError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
+        raise InputError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
                          f"{missing[:5]}: it holds another architecture or configuration")
     extra = set(state_dict) - set(names) - {"pos_embed"}
     if extra:
-        raise ValueError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
+        raise InputError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
                          f"holds another architecture or configuration")
     values = {}
     for key, name in names.items():
         values[name] = from_torch_layout(name, np.asarray(state_dict[key]))
         if values[name].shape != ours[name].shape:
             expected = to_torch_layout(name, np.empty(ours[name].shape)).shape
-            raise ValueError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
+            raise InputError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
                              f"expects {expected}: the checkpoint is from another model size or "
                              f"configuration")
     set_params(model, values)
@@ -913,14 +913,23 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
-    if not isinstance(state_dict, dict) or "x_embedder.proj.weight" not in state_dict:
-        raise ValueError(f"{path} is not a DiT state dict (no 'x_embedder.proj.weight')")
-    cfg = cfg or infer_dit_config(state_dict)
+    if not (isinstance(state_dict, dict) and "x_embedder.proj.weight" in state_dict
+            and all(isinstance(v, np.ndarray) for v in state_dict.values())):
+        raise InputError(f"{path} is not a DiT state dict (tensors with 'x_embedder.proj.weight')")
+    if cfg is None:
+        try:
+            cfg = infer_dit_config(state_dict)
+        except (KeyError, IndexError, ValueError, ArithmeticError) as e:  # shapes no DiT has
+            raise InputError(f"{path}: the shapes of its weights are not those of an official "
+                             f"DiT ({type(e).__name__}: {e}); from Python, pass "
+                             f"load_dit_checkpoint its DiTConfig") from None
     model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))
     load_state_dict(model, state_dict, path)
     table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
-    if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
-        raise ValueError(f"{path}: pos_embed differs from the 2-D sin-cos table of a "
+    pos_embed = state_dict.get("pos_embed")
+    if (pos_embed is None or pos_embed.shape != (1, *table.shape)
+            or not np.allclose(pos_embed[0], table, atol=1e-5)):
+        raise InputError(f"{path}: pos_embed is not the 2-D sin-cos table of a "
                          f"{cfg.grid}x{cfg.grid} grid")
     return model
 
@@ -933,9 +942,13 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 def read_safetensors(path):
     """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
     mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
-    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32."""
+    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32.
+
+    Every tensor is a copy of its bytes, so tensors that share bytes could add up to any multiple
+    of the file: like every claim of the header, their spans are checked before anything is made.
+    """
     def bad(problem):
-        return ValueError(f"{path} is not a readable safetensors file: {problem}. If it was "
+        return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
                           f"downloaded, the download may be incomplete; delete it and fetch it "
                           f"again.")
     with open(path, "rb") as f:
@@ -948,27 +961,37 @@ def read_safetensors(path):
                   f"field")
     try:
         header = json.loads(blob[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"the header is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
+        raise bad(f"the header is not JSON ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise bad("the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("__metadata__ is not an object of strings")
     data = memoryview(blob)[8 + n:]
-    tensors = {}
+    spans = []
     for name, info in header.items():
         try:
-            dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
-            shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+            kind, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            dtype = np.dtype(_SAFETENSORS_DTYPES[kind]).newbyteorder("<")
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"entry {name!r} is malformed or has an unsupported dtype ({e!r})") from None
-        if not 0 <= begin <= end <= len(data):
-            raise bad(f"tensor {name!r} spans bytes {begin}..{end} but the data has {len(data)} "
-                      f"bytes")
-        if end - begin != int(np.prod(shape)) * dtype.itemsize:
-            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {list(shape)} of "
-                      f"{info['dtype']} needs")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
+            raise bad(f"tensor {name!r} has shape {shape} and spans bytes {begin}..{end}, but the "
+                      f"data has {len(data)} bytes")
+        if end - begin != math.prod(shape) * dtype.itemsize:  # Python ints, which cannot overflow
+            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {shape} of {kind} "
+                      f"needs")
+        spans.append((begin, end, name, kind, dtype, shape))
+    spans.sort()
+    for (_, end, first, *_), (begin, _, second, *_) in zip(spans, spans[1:]):
+        if begin < end:
+            raise bad(f"tensors {first!r} and {second!r} share bytes {begin}..{end}")
+    tensors = {}
+    for begin, end, name, kind, dtype, shape in spans:
         arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-        if info["dtype"] == "BF16":  # bfloat16 is the top half of a float32
+        if kind == "BF16":  # bfloat16 is the top half of a float32
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
     return tensors, metadata
@@ -2259,30 +2282,67 @@ def train(args):
 #                          13. Sampling and evaluation                          #
 #################################################################################
 
+def model_of_metadata(path, meta, arrays, dtype):
+    """(abstract DiT, objective) that the metadata of the weight file `path` records: "model",
+    DiTConfig's fields, "objective", make_objective's arguments, and "latent_scale". A file can
+    claim anything, so they are checked first: a configuration that no DiT has, or more blocks than
+    the file has `arrays` (each block costs memory to build), is refused naming the file."""
+    def refuse(problem):
+        return InputError(f"{path}: {problem}; the file is damaged or was not written by dit.py")
+    kinds = {int: int, float: (int, float), bool: bool}
+    fields = {f.name: kinds[f.type] for f in dataclasses.fields(DiTConfig)}
+    config, settings, scale = (meta.get(k) for k in ("model", "objective", "latent_scale"))
+    if not (isinstance(config, dict)
+            and all(k in fields and isinstance(v, fields[k]) for k, v in config.items())):
+        raise refuse("its metadata holds no DiT configuration")
+    cfg = DiTConfig(**config)
+    sizes = (cfg.input_size, cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.num_heads)
+    if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
+            or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
+            or cfg.input_size % cfg.patch_size or cfg.hidden_size % 4
+            or cfg.hidden_size % cfg.num_heads):
+        raise refuse(f"no DiT has the configuration it records, {cfg}")
+    try:
+        objective = make_objective(settings["name"], settings.get("timestep_sampling",
+                                                                  "logit_normal"),
+                                   settings.get("loc", 0.0), settings.get("scale", 1.0))
+    except (TypeError, KeyError, ValueError, AttributeError):
+        raise refuse(f"its metadata records no objective of dit.py ({settings!r})") from None
+    if isinstance(objective, GaussianDiffusion) != cfg.learn_sigma:
+        raise refuse("its objective and its model's outputs disagree (DDPM learns the variance, "
+                     "rectified flow does not)")
+    if not (scale is None or isinstance(scale, (int, float)) and scale > 0):
+        raise refuse(f"its latent_scale {scale!r} is not a positive number")
+    return nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
+
+
 def load_model(path, dtype=jnp.float32):
-    """(model, objective settings, metadata) for sampling, from any of the three weight files:
-    our training checkpoint (.npz; its EMA weights), an exported .safetensors, or an official
-    .pt."""
+    """(model, objective, metadata) for sampling, from any of the three weight files: our training
+    checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
     if path.endswith(".npz"):
         meta, arrays = read_checkpoint(path)
-        model = nnx.eval_shape(lambda: DiT(DiTConfig(**meta["model"]), dtype=dtype,
-                                           rngs=nnx.Rngs(0)))
-        names = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        set_params(model, {name: arrays["ema." + name] for name in names})
-        return model, meta["objective"], meta
+        ema = {name[len("ema."):]: a for name, a in arrays.items() if name.startswith("ema.")}
+        model, objective = model_of_metadata(path, meta, len(ema), dtype)
+        params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        wrong = [name for name, like in params.items() if name not in ema
+                 or ema[name].shape != like.shape or ema[name].dtype.kind not in "fiu"]
+        if wrong:
+            raise InputError(f"{path}: its EMA weights do not fit the model its metadata records "
+                             f"(e.g. ema.{wrong[0]}); the file is damaged")
+        return set_params(model, ema), objective, meta
     if path.endswith(".safetensors"):
         tensors, raw = read_safetensors(path)
-        if "model" not in raw:
-            raise ValueError(f"{path} has no model configuration in its metadata; was it written "
-                             f"by `dit.py export`?")
-        meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
-        model = nnx.eval_shape(lambda: DiT(DiTConfig(**meta["model"]), dtype=dtype,
-                                           rngs=nnx.Rngs(0)))
+        try:
+            meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
+        except (KeyError, ValueError, RecursionError):
+            raise InputError(f"{path} has no model configuration in its metadata; was it written "
+                             f"by `dit.py export`?") from None
+        model, objective = model_of_metadata(path, meta, len(tensors), dtype)
         load_state_dict(model, tensors, path)
-        return model, meta["objective"], meta
+        return model, objective, meta
     # The released checkpoints were trained with DDPM on SD-VAE latents.
-    return (load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"},
-            {"latent_scale": VAEConfig().scaling_factor})
+    return (load_dit_checkpoint(path, dtype=dtype), GaussianDiffusion(),
+            {"objective": {"name": "ddpm"}, "latent_scale": VAEConfig().scaling_factor})
 
 
 def to_uint8(images):
@@ -2514,14 +2574,12 @@ def sample_command(args):
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
-            raise SystemExit("--gif animates a grid; it does not go with --fid")
-    model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
-    objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"),
-                               obj.get("loc", 0.0), obj.get("scale", 1.0))
-    default_method, default_steps = DEFAULT_SAMPLER[obj["name"]]
+            raise InputError("--gif animates a grid; it does not go with --fid")
+    model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+    default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
     cfg = model.cfg
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
-        raise SystemExit(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
+        raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
                          f"model")
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input

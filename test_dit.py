@@ -1686,7 +1686,7 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
     m2, obj2, _ = dit.load_model(str(run_dir / "ema.safetensors"))
     x, t, y = (jax.random.normal(jax.random.key(0), (2, 8, 8, 3)), jnp.array([10.0, 900.0]),
                jnp.array([0, 1]))
-    assert obj1 == obj2 and obj1["name"] == "rf"
+    assert type(obj1) is type(obj2) is dit.RectifiedFlow and vars(obj1) == vars(obj2)
     np.testing.assert_array_equal(np.asarray(m1(x, t, y)), np.asarray(m2(x, t, y)))
     _, arrays = dit.read_checkpoint(ckpt)
     np.testing.assert_array_equal(np.asarray(m1.blocks[1].mlp.fc2.kernel[...]),
