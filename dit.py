@@ -1042,26 +1042,39 @@ class VAEConfig:
         """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
         ignored, but options this implementation does not build are refused rather than silently
         ignored."""
-        with open(path) as f:
-            raw = json.load(f)
+        fix = "pass the config.json that came with the weights"
+        raw = read_json(path, lambda obj: isinstance(obj, dict), "a diffusers config (an object)",
+                        fix)
         if raw.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-            raise ValueError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
-                             f"'AutoencoderKL'")
+            raise InputError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
+                             f"'AutoencoderKL'; {fix}")
         required = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
                     "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
         for key, want in required.items():
             if raw.get(key, want) != want:
-                raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
+                raise InputError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
                                  f"in the SD VAE)")
         for key, want in (("down_block_types", "DownEncoderBlock2D"),
                           ("up_block_types", "UpDecoderBlock2D")):
-            if any(t != want for t in raw.get(key, [want])):
-                raise ValueError(f"{path}: {key}={raw[key]} is not supported (only {want})")
+            blocks = raw.get(key, [want])
+            if not isinstance(blocks, list) or any(t != want for t in blocks):
+                raise InputError(f"{path}: {key}={blocks!r} is not supported (only {want})")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in raw.items() if k in fields}
+        channels = kw.get("block_out_channels", [1])
+        sizes = [v for k, v in kw.items() if k not in ("block_out_channels", "scaling_factor")]
+        scale = kw.get("scaling_factor", 1.0)
+        if not (isinstance(channels, list) and all(type(v) is int and v > 0
+                                                   for v in sizes + channels)
+                and isinstance(scale, (int, float)) and scale > 0):
+            raise InputError(f"{path}: the sizes in it are not positive whole numbers, or "
+                             f"scaling_factor is not a positive number; {fix}")
         if "block_out_channels" in kw:
-            kw["block_out_channels"] = tuple(kw["block_out_channels"])
-        return cls(**kw)
+            kw["block_out_channels"] = tuple(channels)
+        try:
+            return cls(**kw)
+        except ValueError as e:  # __post_init__'s checks
+            raise InputError(f"{path}: {e}; {fix}") from None
 
     def __post_init__(self):
         if (not self.block_out_channels
@@ -1298,7 +1311,7 @@ def load_vae_weights(model, tensors, source="the weight file"):
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
         show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
-        raise ValueError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
+        raise InputError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
                          f"{show(missing)}, unexpected keys {show(unexpected)}. Is config.json the "
                          f"one that came with these weights?")
     values = {}
@@ -1307,7 +1320,7 @@ def load_vae_weights(model, tensors, source="the weight file"):
         if w.ndim == 4 and len(shape) == 2 and w.shape[2:] == (1, 1):
             w = w[:, :, 0, 0]  # old checkpoints stored the attention projections as 1x1 convs
         if w.shape != shape:
-            raise ValueError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
+            raise InputError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
                              f"{list(shape)}")
         values[name] = from_torch_layout(name, w)
     return set_params(model, values)
@@ -1328,7 +1341,7 @@ def load_vae(source="ema", cache_dir=None):
                 try:
                     fid.download(url, dest)
                 except OSError as e:  # fid.download's FileNotFoundError, with the cause
-                    raise RuntimeError(
+                    raise InputError(
                         f"cannot download {url} ({e}). Download config.json and "
                         f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by "
                         f"hand into {folder}, or pass the folder or weight file as the VAE source."
@@ -1354,10 +1367,14 @@ def load_vae(source="ema", cache_dir=None):
         tensors, _ = read_safetensors(weights)
     else:
         tensors = load_torch(weights)
-        if not (isinstance(tensors, dict)
-                and all(isinstance(v, np.ndarray) for v in tensors.values())):
-            raise ValueError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
+        if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, np.ndarray)
+                                                  for k, v in tensors.items())):
+            raise InputError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
                              f"saves it")
+    # A config.json can ask for any number of layers; building them takes time and memory.
+    if cfg.layers_per_block * len(cfg.block_out_channels) > len(tensors):
+        raise InputError(f"{weights} holds {len(tensors)} tensors, too few for the VAE of {cfg}; "
+                         f"is config.json the one that came with these weights?")
     model = nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0)))
     return load_vae_weights(model, tensors, source=weights)
 
@@ -2368,6 +2385,15 @@ def save_grid(images, path):
     make_grid(images).save(path)
 
 
+def load_decoder(source, channels):
+    """The VAE `source` (load_vae's) that decodes a model's latents of `channels` channels."""
+    vae = load_vae(source)
+    if vae.cfg.latent_channels != channels:
+        raise InputError(f"--vae {source}: its latents have {vae.cfg.latent_channels} channels, "
+                         f"the model's {channels}; pass the VAE that encoded the training data")
+    return vae
+
+
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
@@ -2463,7 +2489,8 @@ class Evaluator:
     def __init__(self, args, graphdef, objective, mesh, ds):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
                                     method=DEFAULT_SAMPLER[args.objective][0],
-                                    vae=load_vae(args.vae) if ds.is_latent else None,
+                                    vae=(load_decoder(args.vae, ds.input_shape[-1])
+                                         if ds.is_latent else None),
                                     latent_scale=ds.latent_scale)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
@@ -2587,7 +2614,8 @@ def sample_command(args):
                       method=args.sampler or default_method, cfg_scale=args.cfg_scale,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
                       interval=args.guidance_interval,
-                      vae=load_vae(args.vae) if latent_scale else None, latent_scale=latent_scale,
+                      vae=load_decoder(args.vae, cfg.in_channels) if latent_scale else None,
+                      latent_scale=latent_scale,
                       return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))

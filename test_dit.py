@@ -862,7 +862,7 @@ def test_load_vae_bad_sources(tmp_path, monkeypatch):
     def offline(url, timeout=None):
         raise OSError("network is unreachable")
     monkeypatch.setattr("urllib.request.urlopen", offline)
-    with pytest.raises(RuntimeError, match="by hand into"):
+    with pytest.raises(fid.InputError, match="by hand into"):
         load_vae("ema", cache_dir=str(tmp_path / "cache"))
     assert not any(".part" in p.name or p.is_file() for p in (tmp_path / "cache").rglob("*"))
 
