@@ -40,6 +40,7 @@ import math
 import os
 import pickle
 import re
+import reprlib
 import struct
 import sys
 import tarfile
@@ -1432,7 +1433,7 @@ def default_data_dir(name: str) -> str:
 
 def _check_resolution(name: str, native: int, resolution: int | None):
     if resolution not in (None, native):
-        raise ValueError(f"{name} images are {native}x{native} and train at that size; leave the "
+        raise InputError(f"{name} images are {native}x{native} and train at that size; leave the "
                          f"resolution unset, or export the images to a folder and use the 'folder' "
                          f"dataset to resize them")
 
@@ -1455,31 +1456,46 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order."""
+    dimensions, one big-endian uint32 per dimension, then the elements in C order.
+
+    The elements are read only once the header's size is checked against the file (for gzip,
+    against the most that deflate can expand it to), and no further: a small file cannot make it
+    allocate, or decompress, more than it could hold."""
+    fix = "delete it and download it again"
     with open(path, "rb") as f:
-        raw = f.read()
-    if raw[:2] == b"\x1f\x8b":  # the gzip magic, whatever the file is called
+        size = os.fstat(f.fileno()).st_size
+        gzipped = f.read(2) == b"\x1f\x8b"  # the gzip magic, whatever the file is called
+        f.seek(0)
+        stream = gzip.GzipFile(fileobj=f) if gzipped else f
         try:
-            raw = gzip.decompress(raw)
+            head = stream.read(4)
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
+                raise InputError(f"{path} is not an IDX file: it starts with bytes {head.hex()}, "
+                                 f"an IDX file with 00 00, a type code and the number of "
+                                 f"dimensions; {fix}")
+            dims = stream.read(4 * head[3])
+            if len(dims) < 4 * head[3]:
+                raise InputError(f"{path}: the IDX header is cut short; {fix}")
+            shape = struct.unpack(f">{head[3]}I", dims)
+            dtype = np.dtype(_IDX_DTYPES[head[2]])
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > (fid._DEFLATE_MAX_RATIO if gzipped else 1) * size:
+                raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes), "
+                                 f"more than the file can hold ({size} bytes); {fix}")
+            # In pieces: a single read would allocate all that the header claims, at once.
+            pieces, left = [], nbytes + 1  # one byte more tells a file that goes on
+            while left and (piece := stream.read(min(left, 1 << 20))):
+                pieces.append(piece)
+                left -= len(piece)
+            data = b"".join(pieces)
         except (OSError, EOFError, zlib.error) as e:
-            raise ValueError(f"{path}: damaged gzip data ({e}); delete it and download it "
-                             f"again") from e
-    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file: it starts with bytes {raw[:4].hex()}, an IDX "
-                         f"file with 00 00, a type code and the number of dimensions. Delete it "
-                         f"and download it again.")
-    ndim, header = raw[3], 4 + 4 * raw[3]
-    if len(raw) < header:
-        raise ValueError(f"{path}: the IDX header is cut short; delete the file and download it "
-                         f"again")
-    shape = struct.unpack(f">{ndim}I", raw[4:header])
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
-    expected = header + int(np.prod(shape)) * dtype.itemsize
-    if len(raw) != expected:
-        raise ValueError(f"{path}: its header announces shape {shape} ({expected} bytes) but the "
-                         f"file holds {len(raw)} bytes; it is truncated or damaged. Delete it and "
-                         f"download it again.")
-    return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+            raise InputError(f"{path}: damaged gzip data ({e}); {fix}") from None
+    if len(data) != nbytes:
+        raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes of data) but "
+                         f"the file holds {'more' if len(data) > nbytes else len(data)}; it is "
+                         f"truncated or damaged, {fix}")
+    return np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape).astype(
+        dtype.newbyteorder("="))
 
 
 def _find_idx(data_dir: str, stem: str) -> str | None:
@@ -1508,12 +1524,12 @@ def _load_mnist(data_dir: str) -> Dataset:
             labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
     x, y = read_idx(images), read_idx(labels)
     if x.ndim != 3 or x.dtype != np.uint8:
-        raise ValueError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a "
+        raise InputError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a "
                          f"labels file?")
     if y.ndim != 1 or y.dtype != np.uint8 or (y.size and y.max() > 9):
-        raise ValueError(f"{labels} holds {y.dtype} {y.shape}, not uint8 (N,) digit labels 0-9")
+        raise InputError(f"{labels} holds {y.dtype} {y.shape}, not uint8 (N,) digit labels 0-9")
     if len(x) != len(y):
-        raise ValueError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are "
+        raise InputError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are "
                          f"they a pair?")
     return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)],
                    flip=False)
@@ -1526,14 +1542,43 @@ def _load_mnist(data_dir: str) -> Dataset:
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
+_CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
+_ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
+
+
+def _empty_array(cls, shape, dtype):
+    """numpy's _reconstruct as the pickle of an array calls it: an empty array, which the pickle
+    then fills (ndarray.__setstate__) from bytes that it holds. Any other shape, or a call of
+    numpy.ndarray itself, would allocate whatever a few bytes of pickle ask for."""
+    if cls is not _ARRAY_CLASS or shape != (0,):
+        raise pickle.UnpicklingError(f"an array made as {reprlib.repr(shape)}, which numpy's "
+                                     f"pickles never do")
+    return np.empty(0).__reduce__()[0](np.ndarray, (0,), dtype)
+
+
 # The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
 # globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
 _CIFAR_PICKLE_GLOBALS = {
-    # numpy's own array rebuilder
-    ("numpy.core.multiarray", "_reconstruct"): np.empty(0).__reduce__()[0],
-    ("numpy", "ndarray"): np.ndarray,
+    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
+    ("numpy", "ndarray"): _ARRAY_CLASS,
     ("numpy", "dtype"): np.dtype,
 }
+
+
+class _CappedGzip(gzip.GzipFile):
+    """A gzip file that refuses to read past `limit` uncompressed bytes. tarfile allocates what a
+    header claims before reading it, and a few kilobytes of gzip can expand to gigabytes: with
+    this, no archive costs more than `limit`."""
+
+    def __init__(self, path, limit):
+        super().__init__(path, "rb")
+        self.limit = limit
+
+    def read(self, size=-1):
+        if size < 0 or self.tell() + size > self.limit:
+            raise InputError(f"{self.name} unpacks to more than {self.limit} bytes, more than "
+                             f"CIFAR-10 holds; it is damaged, delete it and download it again")
+        return super().read(size)
 
 
 def _unpickle_cifar(f, where: str) -> dict:
@@ -1541,12 +1586,18 @@ def _unpickle_cifar(f, where: str) -> dict:
         # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
         # bytes
         obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
-    except (pickle.UnpicklingError, EOFError, ValueError) as e:
-        e.add_note(f"while reading {where}")
+    except fid.UnsafePickleError as e:
+        raise fid.UnsafePickleError(f"{where}: {e}") from None
+    except InputError:  # the archive's own refusal, which names it
         raise
+    # What the few callables allowed raise on arguments that are not numpy's
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
+            IndexError) as e:
+        raise InputError(f"{where} is not a readable CIFAR-10 batch ({type(e).__name__}: {e}); "
+                         f"delete it and download CIFAR-10 again") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
-    return {k.decode() if isinstance(k, bytes) else k: v for k, v in obj.items()}
+        raise InputError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
 def _cifar_pickles(data_dir: str) -> dict[str, dict]:
@@ -1569,18 +1620,19 @@ def _cifar_pickles(data_dir: str) -> dict[str, dict]:
         fid.download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
     found = {}
     try:
-        with tarfile.open(archive, "r:gz") as tar:
+        with (_CappedGzip(archive, _CIFAR_MAX_BYTES) as gz,
+              tarfile.open(fileobj=gz, mode="r:") as tar):
             # in archive order: seeking back in a gzip stream would decompress it again
             for member in tar:
                 name = os.path.basename(member.name)
                 if member.isfile() and name in _CIFAR_FILES:
                     found[name] = _unpickle_cifar(tar.extractfile(member),
                                                   f"{archive}:{member.name}")
-    except (tarfile.TarError, EOFError, zlib.error) as e:
-        raise ValueError(f"{archive} is damaged ({e}); delete it and download it again") from e
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
+        raise InputError(f"{archive} is damaged ({e}); delete it and download it again") from None
     missing = [name for name in _CIFAR_FILES if name not in found]
     if missing:
-        raise ValueError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
+        raise InputError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
                          f"CIFAR-10 ({_CIFAR_URL})?")
     return found
 
@@ -1591,22 +1643,23 @@ def _load_cifar10(data_dir: str) -> Dataset:
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
         batch = found[name]
-        data, labels = batch.get("data"), np.asarray(batch.get("labels", []))
+        data, labels = batch.get("data"), batch.get("labels")
         if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
                 or data.shape[1] != 3072):
-            raise ValueError(f"{name} has no uint8 (n, 3072) 'data' array; is this the python "
-                             f"version of CIFAR-10?")
-        if (labels.shape != (len(data),)
-                or (labels.size and not 0 <= labels.min() <= labels.max() <= 9)):
-            raise ValueError(f"{name} has {len(data)} images but its labels are not {len(data)} "
-                             f"classes in 0-9")
+            raise InputError(f"{data_dir}: {name} has no uint8 (n, 3072) 'data' array; is this "
+                             f"the python version of CIFAR-10?")
+        if not (isinstance(labels, list) and len(labels) == len(data)
+                and all(type(label) is int and 0 <= label <= 9 for label in labels)):
+            raise InputError(f"{data_dir}: {name} has {len(data)} images but its labels are not "
+                             f"{len(data)} classes in 0-9")
         # rows are channel-major: (n, C, H, W) -> NHWC
         xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        ys.append(labels)
-    names = [n.decode() if isinstance(n, bytes) else n
-             for n in found["batches.meta"].get("label_names", [])]
-    if len(names) != 10:
-        raise ValueError(f"batches.meta names {len(names)} classes, CIFAR-10 has 10")
+        ys.append(np.asarray(labels))
+    names = found["batches.meta"].get("label_names")
+    if not (isinstance(names, list) and len(names) == 10
+            and all(isinstance(n, (bytes, str)) for n in names)):
+        raise InputError(f"{data_dir}: batches.meta does not name CIFAR-10's 10 classes")
+    names = [n.decode("latin1") if isinstance(n, bytes) else n for n in names]
     return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)),
                    np.concatenate(ys).astype(np.int64), 10, names)
 
@@ -1681,7 +1734,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     else:
         files, labels = loose, None
     if not files:
-        raise ValueError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither "
+        raise InputError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither "
                          f"directly nor in class sub-folders")
 
     x, kept, broken = None, [], []
@@ -1695,12 +1748,12 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
                 continue
             if x is None:
                 if arr.shape[0] != arr.shape[1]:
-                    raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; "
+                    raise InputError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; "
                                      f"pass a resolution (--resolution) to centre-crop every image "
                                      f"to that size")
                 x = np.empty((len(files),) + arr.shape, np.uint8)  # (N, H, W, 3)
             elif arr.shape != x.shape[1:]:
-                raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but "
+                raise InputError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but "
                                  f"{files[kept[0]]} is {x.shape[2]}x{x.shape[1]}; pass a "
                                  f"resolution (--resolution) to centre-crop every image to one "
                                  f"size")
@@ -1712,7 +1765,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
         warnings.warn(f"skipped {len(broken)} unreadable image(s): " + "; ".join(broken[:10])
                       + (f"; and {len(broken) - 10} more" if len(broken) > 10 else ""))
     if not kept:
-        raise ValueError(f"none of the {len(files)} images in {data_dir} could be read")
+        raise InputError(f"none of the {len(files)} images in {data_dir} could be read")
     y = None if labels is None else np.asarray(labels, np.int64)[kept]
     return Dataset("folder", x[:len(kept)], y, len(class_names), class_names)
 
@@ -1739,39 +1792,50 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     if missing:
         raise FileNotFoundError(f"{data_dir} lacks {', '.join(missing)}: {hint}")
     if has_latents and has_images:
-        raise ValueError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and "
+        raise InputError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and "
                          f"pixels into separate folders")
-    with open(path("manifest.json")) as f:
-        manifest = json.load(f)
+    fix = "prepare the data again with prepare_imagenet100.py"
+    manifest = read_json(path("manifest.json"), lambda m: isinstance(m, dict)
+                         and isinstance(m.get("resolution", 0), (int, type(None)))
+                         and isinstance(m.get("scaling_factor", 0), (int, float, type(None))),
+                         "the manifest that prepare_imagenet100.py writes", fix)
     if manifest.get("complete") is False:
-        raise ValueError(f"the preparation of {data_dir} did not finish; run "
+        raise InputError(f"the preparation of {data_dir} did not finish; run "
                          f"prepare_imagenet100.py again with the same arguments to complete it")
-    with open(path("classes.json")) as f:
-        class_names = [c["name"] for c in json.load(f)]
-    labels = np.load(path("labels.npy"))
+    class_names = [c["name"] for c in read_json(
+        path("classes.json"), lambda c: isinstance(c, list)
+        and all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in c),
+        'a list of {"wnid", "name"}', fix)]
+
+    def memmap(name):  # a mapping reads nothing, and refuses a header claiming more than is there
+        try:
+            with np.errstate(over="ignore"):  # the overflow of a crafted shape is refused below
+                return np.lib.format.open_memmap(path(name), mode="r")
+        except ValueError as e:  # not .npy, objects, a damaged header, or shorter than it says
+            raise InputError(f"{path(name)} is not a readable .npy file ({e}); {fix}") from None
+
+    labels = memmap("labels.npy")
     if has_latents:
-        x = np.load(path("latents.npy"), mmap_mode="r")
+        x = memmap("latents.npy")
         if x.dtype != np.float16 or x.ndim != 5 or x.shape[1] != 2 or x.shape[-1] % 2:
-            raise ValueError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 "
-                             f"(N, 2, h, w, 2*C); prepare it again with prepare_imagenet100.py")
-        if "scaling_factor" not in manifest:
-            raise ValueError(f"{path('manifest.json')} lacks the VAE's scaling_factor; prepare the "
-                             f"data again")
+            raise InputError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 "
+                             f"(N, 2, h, w, 2*C); {fix}")
+        if not (manifest.get("scaling_factor") or 0) > 0:
+            raise InputError(f"{path('manifest.json')} lacks the VAE's scaling_factor; {fix}")
         latent_scale, stored = float(manifest["scaling_factor"]), manifest.get("resolution")
     else:
-        x = np.load(path("images.npy"), mmap_mode="r")
+        x = memmap("images.npy")
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
-            raise ValueError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 "
-                             f"(N, R, R, 3); prepare it again with prepare_imagenet100.py "
-                             f"--pixels R")
+            raise InputError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 "
+                             f"(N, R, R, 3); {fix} --pixels R")
         latent_scale, stored = None, x.shape[1]
     if resolution is not None and stored is not None and resolution != stored:
-        raise ValueError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; leave "
-                         f"the resolution unset or prepare the data again at {resolution}")
-    if (labels.shape != (len(x),)
+        raise InputError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; "
+                         f"leave the resolution unset or prepare the data again at {resolution}")
+    if (labels.shape != (len(x),) or labels.dtype.kind not in "iu"
             or (labels.size and not 0 <= labels.min() <= labels.max() < len(class_names))):
-        raise ValueError(f"{path('labels.npy')} does not hold {len(x)} labels in "
-                         f"0-{len(class_names) - 1}; prepare the data again")
+        raise InputError(f"{path('labels.npy')} does not hold {len(x)} labels in "
+                         f"0-{len(class_names) - 1}; {fix}")
     return Dataset("imagenet100", x, labels.astype(np.int64), len(class_names), class_names,
                    latent_scale)
 
@@ -1786,7 +1850,7 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
     match what the other datasets hold."""
     if name == "folder":
         if data_dir is None:
-            raise ValueError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
+            raise InputError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
                              "images, with one sub-folder per class or none")
         return _load_folder(data_dir, resolution)
     data_dir = data_dir or default_data_dir(name)
@@ -1819,15 +1883,15 @@ class Loader:
     def __init__(self, ds: Dataset, global_batch: int, seed: int, start_step: int = 0,
                  process_index: int = 0, process_count: int = 1, prefetch: int = 2):
         if not 0 < global_batch <= len(ds):
-            raise ValueError(f"global batch {global_batch} must be between 1 and the dataset size "
+            raise InputError(f"global batch {global_batch} must be between 1 and the dataset size "
                              f"({len(ds)})")
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"process {process_index} of {process_count} does not exist")
         if global_batch % process_count:
-            raise ValueError(f"global batch {global_batch} does not split evenly over "
+            raise InputError(f"global batch {global_batch} does not split evenly over "
                              f"{process_count} processes; make it a multiple of {process_count}")
         if seed < 0 or start_step < 0 or prefetch < 1:
-            raise ValueError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
+            raise InputError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
                              f"{start_step} and {prefetch}")
         self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
         self.local_batch = global_batch // process_count
