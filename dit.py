@@ -2036,16 +2036,20 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path):
-    """(metadata, arrays) of a checkpoint. Plain .npz with allow_pickle=False: loading runs no
-    code."""
+    """(metadata, arrays) of a checkpoint, read by fid.read_npz: no pickle, and no size that the
+    file claims is believed before it is checked against the file."""
+    fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
-        with np.load(path, allow_pickle=False) as f:
-            return json.loads(str(f["__meta__"])), {k: f[k] for k in f.files if k != "__meta__"}
-    except Exception as e:  # a damaged zip fails in many ways
-        # (BadZipFile, EOFError, ValueError, ...)
-        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if "
-                         f"it is the newest of a run that crashed, delete it to resume from the "
-                         f"one before") from None
+        arrays = fid.read_npz(path)
+        meta = json.loads(str(arrays.pop("__meta__")))
+    except InputError as e:
+        raise InputError(f"{path} is not a readable DiT checkpoint "
+                         f"({str(e).removeprefix(f'{path}: ')}); {fix}") from None
+    except (KeyError, ValueError, RecursionError):  # no metadata, or not JSON
+        meta = None
+    if not isinstance(meta, dict):
+        raise InputError(f"{path} is not a DiT checkpoint: it has no metadata; {fix}")
+    return meta, arrays
 
 
 def restore_state(arrays, abstract_state, shardings, what):
@@ -2054,13 +2058,14 @@ def restore_state(arrays, abstract_state, shardings, what):
     names = flatten(abstract_state)
     missing = sorted(set(names) - set(arrays))
     if missing:
-        raise ValueError(f"{what} lacks {missing[:3]}...: it was written for another model or "
+        raise InputError(f"{what} lacks {missing[:3]}...: it was written for another model or "
                          f"optimizer")
     leaves = []
     for (name, like), sharding in zip(names.items(), jax.tree.leaves(shardings)):
-        if arrays[name].shape != like.shape:
-            raise ValueError(f"{what}: {name} has shape {arrays[name].shape}, the model needs "
-                             f"{like.shape}: the checkpoint is from another model size")
+        if arrays[name].shape != like.shape or arrays[name].dtype.kind not in "fiu":
+            raise InputError(f"{what}: {name} is {arrays[name].dtype} {arrays[name].shape}, the "
+                             f"model needs {like.dtype} {like.shape}: the checkpoint is from "
+                             f"another model size, or damaged")
         array = arrays[name].astype(like.dtype)
         # Each process places only its own devices' slices (device_put of a host array would compare
         # it across all hosts first, sending the whole state over the network once per host).
@@ -2203,20 +2208,21 @@ def open_run(args, cfg, ds):
     checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
     if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
         where = "in " + args.run_dir if args.resume == "latest" else args.resume
-        raise SystemExit(f"--resume: no checkpoint {where}")
+        raise InputError(f"--resume: no checkpoint {where}")
     newer = [p for p in found if os.path.basename(p) > os.path.basename(checkpoint or "")]
     if newer:  # a later automatic resume would jump back to them, mixing two histories in one run
-        raise SystemExit(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
+        raise InputError(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
                          f"({os.path.basename(newer[-1])}); continue in another --run-dir, or move "
                          f"those away")
     path = os.path.join(args.run_dir, "run.json")
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        old = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
+                        "delete it to go on with this command's settings, or use another "
+                        "--run-dir")
         diff = {k: (old.get(k), settings[k]) for k in settings if old.get(k) != settings[k]}
         if diff:
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise SystemExit(f"{args.run_dir} holds another run ({changes}). Use another "
+            raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
                              f"--run-dir, or the same settings to resume it.")
     elif jax.process_index() == 0:
         os.makedirs(args.run_dir, exist_ok=True)
@@ -2248,13 +2254,16 @@ class MetricsLog:
         self.pending, self.t0 = [], time.perf_counter()
         if jax.process_index() == 0 and os.path.exists(self.path):
             kept = []
-            with open(self.path) as f:
+            # A line that a crash cut short, or that is not a record, is dropped with the rest.
+            with open(self.path, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     try:
-                        if json.loads(line)["step"] <= start:
-                            kept.append(line)
-                    except ValueError:  # a line that a crash cut short
-                        pass
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):
+                        continue
+                    if (isinstance(record, dict) and isinstance(record.get("step"), int)
+                            and record["step"] <= start):
+                        kept.append(line)
             write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
 
     def write(self, record):
