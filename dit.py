@@ -2079,7 +2079,7 @@ def export_ema(ckpt_path, out_path):
     model configuration in the metadata: small enough to share, and loadable by the official
     code."""
     if not ckpt_path.endswith(".npz"):
-        raise SystemExit(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
+        raise InputError(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
                          f"reads the .safetensors and .pt files directly")
     model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
     params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -2133,9 +2133,18 @@ def setup_distributed(args):
 
 def check_batch_size(batch_size):
     """The global batch is split evenly over all devices of all hosts."""
-    if batch_size < 1 or batch_size % jax.device_count():
-        raise SystemExit(f"--batch-size {batch_size} does not split over {jax.device_count()} "
-                         f"devices; use a positive multiple of {jax.device_count()}")
+    if batch_size % jax.device_count():
+        raise InputError(f"--batch-size {batch_size} does not split over {jax.device_count()} "
+                         f"devices; use a multiple of {jax.device_count()}")
+
+
+def model_config(args, input_size, in_channels, num_classes):
+    """The DiTConfig of the model options (model_options) for inputs of this shape."""
+    if input_size % args.patch:
+        raise InputError(f"--patch {args.patch} does not divide the input size {input_size}; "
+                         f"choose a patch size that does")
+    return dit_config(f"{args.size}/{args.patch}", input_size=input_size, in_channels=in_channels,
+                      num_classes=num_classes, learn_sigma=args.objective == "ddpm")
 
 
 def compute_dtype(precision):
@@ -2315,9 +2324,12 @@ def train(args):
     check_batch_size(args.batch_size)
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=H, in_channels=C,
-                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm")
-    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
+    cfg = model_config(args, H, C, ds.num_classes)
+    try:
+        objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc,
+                                   args.ln_scale)
+    except ValueError as e:  # argparse's choices leave only --ln-scale to refuse
+        raise InputError(f"--ln-scale: {e}") from None
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip)
 
     # The run directory, and the state: restored from a checkpoint, or new.
@@ -2626,9 +2638,7 @@ def bench(args):
     """Training throughput on synthetic data: images/s, ms per step, peak memory and MFU."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size,
-                     in_channels=args.channels, num_classes=1000,
-                     learn_sigma=args.objective == "ddpm")
+    cfg = model_config(args, args.image_size, args.channels, 1000)
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
@@ -2759,7 +2769,8 @@ def build_parser():
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
                        "no launcher (SLURM, Open MPI, TPU pod) set up")
-    hosts.add_argument("--num-processes", type=int, help="number of processes of a multi-host run")
+    hosts.add_argument("--num-processes", type=fid.positive_int,
+                       help="number of processes of a multi-host run")
     hosts.add_argument("--process-id", type=int, help="this process's index in a multi-host run")
     weights = argparse.ArgumentParser(add_help=False)
     weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
@@ -2782,7 +2793,8 @@ def build_parser():
                    help="what to train on; its recipe (below) gives the defaults")
     t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for "
                    "mnist and cifar10)")
-    t.add_argument("--resolution", type=int, help="centre-crop size for --dataset folder")
+    t.add_argument("--resolution", type=fid.positive_int,
+                   help="centre-crop size for --dataset folder")
     t.add_argument("--timestep-sampling", default="logit_normal",
                    choices=["logit_normal", "uniform"],
                    help="distribution of rectified flow's training times")
@@ -2790,8 +2802,9 @@ def build_parser():
                    help="mean of the logit-normal timestep distribution")
     t.add_argument("--ln-scale", type=float, default=1.0,
                    help="scale of the logit-normal timestep distribution")
-    t.add_argument("--batch-size", type=int, help="global batch over all devices and hosts")
-    t.add_argument("--steps", type=int, help="training steps")
+    t.add_argument("--batch-size", type=fid.positive_int,
+                   help="global batch over all devices and hosts")
+    t.add_argument("--steps", type=fid.positive_int, help="training steps")
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
     t.add_argument("--grad-clip", type=float, default=0.0,
@@ -2801,16 +2814,19 @@ def build_parser():
                    "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
     t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "
                    "file; without a file, from the newest in --run-dir, which must have one")
-    t.add_argument("--log-every", type=int, help="steps between records in metrics.jsonl")
-    t.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
-    t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    t.add_argument("--sample-every", type=int, help="steps between sample grids")
-    t.add_argument("--sample-steps", type=int,
+    t.add_argument("--log-every", type=fid.positive_int,
+                   help="steps between records in metrics.jsonl")
+    t.add_argument("--ckpt-every", type=fid.positive_int, help="steps between checkpoints")
+    t.add_argument("--keep", type=fid.positive_int, default=3,
+                   help="checkpoints kept (the newest is what a run resumes from)")
+    t.add_argument("--sample-every", type=fid.positive_int, help="steps between sample grids")
+    t.add_argument("--sample-steps", type=fid.positive_int,
                    help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
     t.add_argument("--cfg-scale", type=float, default=4.0,
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=int, default=0, help="FID every N steps (0: never)")
-    t.add_argument("--fid-samples", type=int, default=5000, help="samples for --fid-every")
+    t.add_argument("--fid-samples", type=fid.positive_int, default=5000,
+                   help="samples for --fid-every")
     t.add_argument("--final-fid", type=int, default=10_000,
                    help="samples for the FID at the end (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=1.5, help="guidance scale of FID samples")
@@ -2823,7 +2839,7 @@ def build_parser():
                    help="training checkpoint .npz, exported .safetensors or official .pt")
     s.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale (1: none)")
-    s.add_argument("--steps", type=int, help="sampling steps (rf: 50, ddpm: 250)")
+    s.add_argument("--steps", type=fid.positive_int, help="sampling steps (rf: 50, ddpm: 250)")
     s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"],
                    help="rf: euler (default) or heun; ddpm: ddpm (default) or ddim")
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
@@ -2831,14 +2847,15 @@ def build_parser():
                    "computed")
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
                    help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale")
-    s.add_argument("--n", type=int, default=16, help="images in the grid")
+    s.add_argument("--n", type=fid.positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
     s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
     s.add_argument("--fid", type=int, default=0,
                    help="draw this many samples (labels spread evenly) as .npz")
     s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
-    s.add_argument("--batch-size", type=int, default=64, help="global sampling batch for --fid")
+    s.add_argument("--batch-size", type=fid.positive_int, default=64,
+                   help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
     s.add_argument("--precision", default="fp32", choices=["bf16", "fp32"],
                    help="compute dtype of the model")
@@ -2849,11 +2866,13 @@ def build_parser():
 
     b = sub.add_parser("bench", parents=[model_options("S", 2, "bf16")],
                        help="training throughput on synthetic data: images/s, ms/step, memory, MFU")
-    b.add_argument("--image-size", type=int, default=32,
+    b.add_argument("--image-size", type=fid.positive_int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
-    b.add_argument("--channels", type=int, default=4, help="input channels (latents: 4)")
-    b.add_argument("--batch-size", type=int, default=256, help="global batch")
-    b.add_argument("--steps", type=int, default=10, help="timed steps after the compiling one")
+    b.add_argument("--channels", type=fid.positive_int, default=4,
+                   help="input channels (latents: 4)")
+    b.add_argument("--batch-size", type=fid.positive_int, default=256, help="global batch")
+    b.add_argument("--steps", type=fid.positive_int, default=10,
+                   help="timed steps after the compiling one")
     return parser
 
 
@@ -2871,15 +2890,9 @@ def main(argv=None):
         return print("EMA weights:", export_ema(args.ckpt, args.out))
     if args.command == "bench":
         return bench(args)
-    if args.keep < 1:
-        raise SystemExit("--keep must be at least 1: the newest checkpoint is what a run resumes "
-                         "from")
     for key, value in RECIPES[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("steps", "log_every", "ckpt_every", "sample_every"):
-        if getattr(args, key) < 1:
-            raise SystemExit(f"--{key.replace('_', '-')} must be at least 1 (a number of steps)")
     args.precision = args.precision or ("fp32" if jax.default_backend() == "cpu" else "bf16")
     args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]
     args.run_dir = (args.run_dir
@@ -2889,4 +2902,4 @@ def main(argv=None):
 
 # pasted into a notebook: call main([...])
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    main()
+    fid.run_cli(main)

@@ -95,14 +95,15 @@ class RunsCommand:
 
 
 # Every run below trains this tiny model in a fresh process, so that the number of devices (set by
-# XLA_FLAGS before jax starts) and jax.distributed can differ between runs.
+# XLA_FLAGS before jax starts) and jax.distributed can differ between runs. It ends as
+# `python dit.py` does: a mistake of the user's in one line.
 DRIVER = """
 import os, sys
 sys.path.insert(0, {here!r})
-import dit
+import dit, fid
 dit.DIT_SIZES["T"] = dict(hidden_size=32, depth=2, num_heads=2)
 {patch}
-dit.main(sys.argv[1:])
+fid.run_cli(dit.main)
 """
 
 
@@ -1742,18 +1743,28 @@ def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume: no checkpoint in"),
-    (["--log-every", "0"], "--log-every must be at least 1"),
-    (["--keep", "0"], "--keep must be at least 1"),
-    (["bench", "--batch-size", "0"], "--batch-size 0 does not split"),
+    (["--patch", "4", "--resolution", "6"], "--patch 4 does not divide the input size 6"),
+    (["--ln-scale", "0"], "--ln-scale: the logit-normal scale must be positive"),
     (["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"], "--gif animates a grid"),
     (["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"],
      r"export takes a training checkpoint \(.npz\)"),
 ])
 def test_command_line_mistakes_are_named(tmp_path, folder_data, argv, message):
+    """A notebook calling main() gets an InputError with the message; the command line prints it
+    alone (fid.run_cli)."""
     if argv[0].startswith("--"):  # training options
         argv = train_args(folder_data, tmp_path / "run", 2, argv)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(fid.InputError, match=message):
         dit.main(argv)
+
+
+@pytest.mark.parametrize("argv", [["--keep", "0"], ["--log-every", "-1"], ["bench", "--steps", "0"],
+                                  ["sample", "--ckpt", "x.npz", "--n", "0"]])
+def test_counts_below_one_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        dit.main(argv)
+    assert info.value.code == 2
+    assert f"argument {argv[-2]}: expected a whole number of at least 1" in capsys.readouterr().err
 
 
 #################################################################################
