@@ -1588,8 +1588,6 @@ def _unpickle_cifar(f, where: str) -> dict:
         obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
     except fid.UnsafePickleError as e:
         raise fid.UnsafePickleError(f"{where}: {e}") from None
-    except InputError:  # the archive's own refusal, which names it
-        raise
     # What the few callables allowed raise on arguments that are not numpy's
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
             IndexError) as e:
@@ -1600,10 +1598,10 @@ def _unpickle_cifar(f, where: str) -> dict:
     return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
-def _cifar_pickles(data_dir: str) -> dict[str, dict]:
-    """The five training batches and batches.meta, from the extracted cifar-10-batches-py/ when
-    present, otherwise from cifar-10-python.tar.gz (read in one pass, without extracting),
-    downloaded first if missing."""
+def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
+    """(where they are, {name: batch}) of the five training batches and batches.meta, from the
+    extracted cifar-10-batches-py/ when present, otherwise from cifar-10-python.tar.gz (read in
+    one pass, without extracting), downloaded first if missing."""
     for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(folder, "data_batch_1")):
             found = {}
@@ -1614,7 +1612,7 @@ def _cifar_pickles(data_dir: str) -> dict[str, dict]:
                                             f"cifar-10-python.tar.gz again")
                 with open(path, "rb") as f:
                     found[name] = _unpickle_cifar(f, path)
-            return found
+            return folder, found
     archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
     if not os.path.exists(archive):
         fid.download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
@@ -1634,23 +1632,23 @@ def _cifar_pickles(data_dir: str) -> dict[str, dict]:
     if missing:
         raise InputError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
                          f"CIFAR-10 ({_CIFAR_URL})?")
-    return found
+    return archive, found
 
 
 def _load_cifar10(data_dir: str) -> Dataset:
     """The 50,000 CIFAR-10 training images from the official python-format release."""
-    found = _cifar_pickles(data_dir)
+    where, found = _cifar_pickles(data_dir)
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
         batch = found[name]
         data, labels = batch.get("data"), batch.get("labels")
         if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
                 or data.shape[1] != 3072):
-            raise InputError(f"{data_dir}: {name} has no uint8 (n, 3072) 'data' array; is this "
+            raise InputError(f"{where}: {name} has no uint8 (n, 3072) 'data' array; is this "
                              f"the python version of CIFAR-10?")
         if not (isinstance(labels, list) and len(labels) == len(data)
                 and all(type(label) is int and 0 <= label <= 9 for label in labels)):
-            raise InputError(f"{data_dir}: {name} has {len(data)} images but its labels are not "
+            raise InputError(f"{where}: {name} has {len(data)} images but its labels are not "
                              f"{len(data)} classes in 0-9")
         # rows are channel-major: (n, C, H, W) -> NHWC
         xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
@@ -1658,7 +1656,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
     names = found["batches.meta"].get("label_names")
     if not (isinstance(names, list) and len(names) == 10
             and all(isinstance(n, (bytes, str)) for n in names)):
-        raise InputError(f"{data_dir}: batches.meta does not name CIFAR-10's 10 classes")
+        raise InputError(f"{where}: batches.meta does not name CIFAR-10's 10 classes")
     names = [n.decode("latin1") if isinstance(n, bytes) else n for n in names]
     return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)),
                    np.concatenate(ys).astype(np.int64), 10, names)
@@ -2087,7 +2085,7 @@ def export_ema(ckpt_path, out_path):
                for name, value in params.items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
-    header = {key: json.dumps(meta[key]) for key in ("model", "objective", "latent_scale")}
+    header = {key: json.dumps(meta.get(key)) for key in ("model", "objective", "latent_scale")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
 
