@@ -110,22 +110,30 @@ fid.run_cli(dit.main)
 """
 
 
+# Runs a command and writes its exit status and peak resident memory (KiB) to a file. The peak that
+# os.wait4 reports counts what the process the command was forked from held, so the command is
+# forked from this small Python rather than from the test's, which grows to gigabytes.
+LAUNCHER = """
+import os, subprocess, sys, threading
+proc = subprocess.Popen(sys.argv[2:])
+timer = threading.Timer(300, proc.kill)
+timer.start()
+_, status, usage = os.wait4(proc.pid, 0)
+timer.cancel()
+with open(sys.argv[1], "w") as f:
+    f.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
+
+
 def run_python(args, env, cwd=None):
-    """(CompletedProcess, peak resident memory in KiB) of `python *args`, killed after 300 s. The
-    peak is read from the child's own rusage (os.wait4), which counts it alone."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=out, stderr=err, cwd=cwd)
-        timer = threading.Timer(300, proc.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        out.seek(0)
-        err.seek(0)
-        return (subprocess.CompletedProcess(args, proc.returncode, out.read().decode(),
-                                            err.read().decode(errors="replace")), usage.ru_maxrss)
+    """(CompletedProcess, peak resident memory in KiB) of `python *args`, killed after 300 s."""
+    with tempfile.TemporaryDirectory() as d:
+        result = os.path.join(d, "result")
+        proc = subprocess.run([sys.executable, "-c", LAUNCHER, result, sys.executable, *args],
+                              env=env, cwd=cwd, capture_output=True, text=True, errors="replace")
+        with open(result) as f:
+            status, peak = map(int, f.read().split())
+    return subprocess.CompletedProcess(args, status, proc.stdout, proc.stderr), peak
 
 
 def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
