@@ -40,6 +40,7 @@ import math
 import os
 import pickle
 import re
+import reprlib
 import struct
 import sys
 import tarfile
@@ -60,7 +61,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import fid
-from fid import load_torch, safe_unpickle
+from fid import InputError, load_torch, safe_unpickle
 
 #################################################################################
 #                                                                               #
@@ -1050,18 +1051,18 @@ def load_state_dict(model, state_dict, what):
     names = {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
     if missing:
-        raise ValueError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
+        raise InputError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
                          f"{missing[:5]}: it holds another architecture or configuration")
     extra = set(state_dict) - set(names) - {"pos_embed"}
     if extra:
-        raise ValueError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
+        raise InputError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
                          f"holds another architecture or configuration")
     values = {}
     for key, name in names.items():
         values[name] = from_torch_layout(name, np.asarray(state_dict[key]))
         if values[name].shape != ours[name].shape:
             expected = to_torch_layout(name, np.empty(ours[name].shape)).shape
-            raise ValueError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
+            raise InputError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
                              f"expects {expected}: the checkpoint is from another model size or "
                              f"configuration")
     set_params(model, values)
@@ -1095,14 +1096,23 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
-    if not isinstance(state_dict, dict) or "x_embedder.proj.weight" not in state_dict:
-        raise ValueError(f"{path} is not a DiT state dict (no 'x_embedder.proj.weight')")
-    cfg = cfg or infer_dit_config(state_dict)
+    if not (isinstance(state_dict, dict) and "x_embedder.proj.weight" in state_dict
+            and all(isinstance(v, np.ndarray) for v in state_dict.values())):
+        raise InputError(f"{path} is not a DiT state dict (tensors with 'x_embedder.proj.weight')")
+    if cfg is None:
+        try:
+            cfg = infer_dit_config(state_dict)
+        except (KeyError, IndexError, ValueError, ArithmeticError) as e:  # shapes no DiT has
+            raise InputError(f"{path}: the shapes of its weights are not those of an official "
+                             f"DiT ({type(e).__name__}: {e}); from Python, pass "
+                             f"load_dit_checkpoint its DiTConfig") from None
     model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))
     load_state_dict(model, state_dict, path)
     table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
-    if not np.allclose(np.asarray(state_dict["pos_embed"])[0], table, atol=1e-5):
-        raise ValueError(f"{path}: pos_embed differs from the 2-D sin-cos table of a "
+    pos_embed = state_dict.get("pos_embed")
+    if (pos_embed is None or pos_embed.shape != (1, *table.shape)
+            or not np.allclose(pos_embed[0], table, atol=1e-5)):
+        raise InputError(f"{path}: pos_embed is not the 2-D sin-cos table of a "
                          f"{cfg.grid}x{cfg.grid} grid")
     return model
 
@@ -1115,9 +1125,13 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 def read_safetensors(path):
     """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
     mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
-    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32."""
+    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32.
+
+    Every tensor is a copy of its bytes, so tensors that share bytes could add up to any multiple
+    of the file: like every claim of the header, their spans are checked before anything is made.
+    """
     def bad(problem):
-        return ValueError(f"{path} is not a readable safetensors file: {problem}. If it was "
+        return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
                           f"downloaded, the download may be incomplete; delete it and fetch it "
                           f"again.")
     with open(path, "rb") as f:
@@ -1130,27 +1144,37 @@ def read_safetensors(path):
                   f"field")
     try:
         header = json.loads(blob[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"the header is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
+        raise bad(f"the header is not JSON ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise bad("the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("__metadata__ is not an object of strings")
     data = memoryview(blob)[8 + n:]
-    tensors = {}
+    spans = []
     for name, info in header.items():
         try:
-            dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
-            shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+            kind, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            dtype = np.dtype(_SAFETENSORS_DTYPES[kind]).newbyteorder("<")
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"entry {name!r} is malformed or has an unsupported dtype ({e!r})") from None
-        if not 0 <= begin <= end <= len(data):
-            raise bad(f"tensor {name!r} spans bytes {begin}..{end} but the data has {len(data)} "
-                      f"bytes")
-        if end - begin != int(np.prod(shape)) * dtype.itemsize:
-            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {list(shape)} of "
-                      f"{info['dtype']} needs")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
+            raise bad(f"tensor {name!r} has shape {shape} and spans bytes {begin}..{end}, but the "
+                      f"data has {len(data)} bytes")
+        if end - begin != math.prod(shape) * dtype.itemsize:  # Python ints, which cannot overflow
+            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {shape} of {kind} "
+                      f"needs")
+        spans.append((begin, end, name, kind, dtype, shape))
+    spans.sort()
+    for (_, end, first, *_), (begin, _, second, *_) in zip(spans, spans[1:]):
+        if begin < end:
+            raise bad(f"tensors {first!r} and {second!r} share bytes {begin}..{end}")
+    tensors = {}
+    for begin, end, name, kind, dtype, shape in spans:
         arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-        if info["dtype"] == "BF16":  # bfloat16 is the top half of a float32
+        if kind == "BF16":  # bfloat16 is the top half of a float32
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
     return tensors, metadata
@@ -1201,26 +1225,39 @@ class VAEConfig:
         """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
         ignored, but options this implementation does not build are refused rather than silently
         ignored."""
-        with open(path) as f:
-            raw = json.load(f)
+        fix = "pass the config.json that came with the weights"
+        raw = read_json(path, lambda obj: isinstance(obj, dict), "a diffusers config (an object)",
+                        fix)
         if raw.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-            raise ValueError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
-                             f"'AutoencoderKL'")
+            raise InputError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
+                             f"'AutoencoderKL'; {fix}")
         required = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
                     "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
         for key, want in required.items():
             if raw.get(key, want) != want:
-                raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
+                raise InputError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
                                  f"in the SD VAE)")
         for key, want in (("down_block_types", "DownEncoderBlock2D"),
                           ("up_block_types", "UpDecoderBlock2D")):
-            if any(t != want for t in raw.get(key, [want])):
-                raise ValueError(f"{path}: {key}={raw[key]} is not supported (only {want})")
+            blocks = raw.get(key, [want])
+            if not isinstance(blocks, list) or any(t != want for t in blocks):
+                raise InputError(f"{path}: {key}={blocks!r} is not supported (only {want})")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in raw.items() if k in fields}
+        channels = kw.get("block_out_channels", [1])
+        sizes = [v for k, v in kw.items() if k not in ("block_out_channels", "scaling_factor")]
+        scale = kw.get("scaling_factor", 1.0)
+        if not (isinstance(channels, list) and all(type(v) is int and v > 0
+                                                   for v in sizes + channels)
+                and isinstance(scale, (int, float)) and scale > 0):
+            raise InputError(f"{path}: the sizes in it are not positive whole numbers, or "
+                             f"scaling_factor is not a positive number; {fix}")
         if "block_out_channels" in kw:
-            kw["block_out_channels"] = tuple(kw["block_out_channels"])
-        return cls(**kw)
+            kw["block_out_channels"] = tuple(channels)
+        try:
+            return cls(**kw)
+        except ValueError as e:  # __post_init__'s checks
+            raise InputError(f"{path}: {e}; {fix}") from None
 
     def __post_init__(self):
         if (not self.block_out_channels
@@ -1471,7 +1508,7 @@ def load_vae_weights(model, tensors, source="the weight file"):
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
         show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
-        raise ValueError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
+        raise InputError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
                          f"{show(missing)}, unexpected keys {show(unexpected)}. Is config.json the "
                          f"one that came with these weights?")
     values = {}
@@ -1480,7 +1517,7 @@ def load_vae_weights(model, tensors, source="the weight file"):
         if w.ndim == 4 and len(shape) == 2 and w.shape[2:] == (1, 1):
             w = w[:, :, 0, 0]  # old checkpoints stored the attention projections as 1x1 convs
         if w.shape != shape:
-            raise ValueError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
+            raise InputError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
                              f"{list(shape)}")
         values[name] = from_torch_layout(name, w)
     return set_params(model, values)
@@ -1507,7 +1544,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
                 try:
                     fid.download(url, dest)
                 except OSError as e:  # fid.download's FileNotFoundError, with the cause
-                    raise RuntimeError(
+                    raise InputError(
                         f"cannot download {url} ({e}). Download config.json and "
                         f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by "
                         f"hand into {folder}, or pass the folder or weight file as the VAE source."
@@ -1533,10 +1570,14 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
         tensors, _ = read_safetensors(weights)
     else:
         tensors = load_torch(weights)
-        if not (isinstance(tensors, dict)
-                and all(isinstance(v, np.ndarray) for v in tensors.values())):
-            raise ValueError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
+        if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, np.ndarray)
+                                                  for k, v in tensors.items())):
+            raise InputError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
                              f"saves it")
+    # A config.json can ask for any number of layers; building them takes time and memory.
+    if cfg.layers_per_block * len(cfg.block_out_channels) > len(tensors):
+        raise InputError(f"{weights} holds {len(tensors)} tensors, too few for the VAE of {cfg}; "
+                         f"is config.json the one that came with these weights?")
     model = nnx.eval_shape(lambda: AutoencoderKL(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return load_vae_weights(model, tensors, source=weights)
 
@@ -1618,7 +1659,7 @@ def default_data_dir(name: str) -> str:
 
 def _check_resolution(name: str, native: int, resolution: int | None):
     if resolution not in (None, native):
-        raise ValueError(f"{name} images are {native}x{native} and train at that size; leave the "
+        raise InputError(f"{name} images are {native}x{native} and train at that size; leave the "
                          f"resolution unset, or export the images to a folder and use the 'folder' "
                          f"dataset to resize them")
 
@@ -1641,31 +1682,46 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order."""
+    dimensions, one big-endian uint32 per dimension, then the elements in C order.
+
+    The elements are read only once the header's size is checked against the file (for gzip,
+    against the most that deflate can expand it to), and no further: a small file cannot make it
+    allocate, or decompress, more than it could hold."""
+    fix = "delete it and download it again"
     with open(path, "rb") as f:
-        raw = f.read()
-    if raw[:2] == b"\x1f\x8b":  # the gzip magic, whatever the file is called
+        size = os.fstat(f.fileno()).st_size
+        gzipped = f.read(2) == b"\x1f\x8b"  # the gzip magic, whatever the file is called
+        f.seek(0)
+        stream = gzip.GzipFile(fileobj=f) if gzipped else f
         try:
-            raw = gzip.decompress(raw)
+            head = stream.read(4)
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
+                raise InputError(f"{path} is not an IDX file: it starts with bytes {head.hex()}, "
+                                 f"an IDX file with 00 00, a type code and the number of "
+                                 f"dimensions; {fix}")
+            dims = stream.read(4 * head[3])
+            if len(dims) < 4 * head[3]:
+                raise InputError(f"{path}: the IDX header is cut short; {fix}")
+            shape = struct.unpack(f">{head[3]}I", dims)
+            dtype = np.dtype(_IDX_DTYPES[head[2]])
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > (fid._DEFLATE_MAX_RATIO if gzipped else 1) * size:
+                raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes), "
+                                 f"more than the file can hold ({size} bytes); {fix}")
+            # In pieces: a single read would allocate all that the header claims, at once.
+            pieces, left = [], nbytes + 1  # one byte more tells a file that goes on
+            while left and (piece := stream.read(min(left, 1 << 20))):
+                pieces.append(piece)
+                left -= len(piece)
+            data = b"".join(pieces)
         except (OSError, EOFError, zlib.error) as e:
-            raise ValueError(f"{path}: damaged gzip data ({e}); delete it and download it "
-                             f"again") from e
-    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file: it starts with bytes {raw[:4].hex()}, an IDX "
-                         f"file with 00 00, a type code and the number of dimensions. Delete it "
-                         f"and download it again.")
-    ndim, header = raw[3], 4 + 4 * raw[3]
-    if len(raw) < header:
-        raise ValueError(f"{path}: the IDX header is cut short; delete the file and download it "
-                         f"again")
-    shape = struct.unpack(f">{ndim}I", raw[4:header])
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
-    expected = header + int(np.prod(shape)) * dtype.itemsize
-    if len(raw) != expected:
-        raise ValueError(f"{path}: its header announces shape {shape} ({expected} bytes) but the "
-                         f"file holds {len(raw)} bytes; it is truncated or damaged. Delete it and "
-                         f"download it again.")
-    return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+            raise InputError(f"{path}: damaged gzip data ({e}); {fix}") from None
+    if len(data) != nbytes:
+        raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes of data) but "
+                         f"the file holds {'more' if len(data) > nbytes else len(data)}; it is "
+                         f"truncated or damaged, {fix}")
+    return np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape).astype(
+        dtype.newbyteorder("="))
 
 
 def _find_idx(data_dir: str, stem: str) -> str | None:
@@ -1694,12 +1750,12 @@ def _load_mnist(data_dir: str) -> Dataset:
             labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
     x, y = read_idx(images), read_idx(labels)
     if x.ndim != 3 or x.dtype != np.uint8:
-        raise ValueError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a "
+        raise InputError(f"{images} holds {x.dtype} {x.shape}, not uint8 (N, H, W) images; is it a "
                          f"labels file?")
     if y.ndim != 1 or y.dtype != np.uint8 or (y.size and y.max() > 9):
-        raise ValueError(f"{labels} holds {y.dtype} {y.shape}, not uint8 (N,) digit labels 0-9")
+        raise InputError(f"{labels} holds {y.dtype} {y.shape}, not uint8 (N,) digit labels 0-9")
     if len(x) != len(y):
-        raise ValueError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are "
+        raise InputError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are "
                          f"they a pair?")
     return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)],
                    flip=False)
@@ -1712,14 +1768,43 @@ def _load_mnist(data_dir: str) -> Dataset:
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
+_CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
+_ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
+
+
+def _empty_array(cls, shape, dtype):
+    """numpy's _reconstruct as the pickle of an array calls it: an empty array, which the pickle
+    then fills (ndarray.__setstate__) from bytes that it holds. Any other shape, or a call of
+    numpy.ndarray itself, would allocate whatever a few bytes of pickle ask for."""
+    if cls is not _ARRAY_CLASS or shape != (0,):
+        raise pickle.UnpicklingError(f"an array made as {reprlib.repr(shape)}, which numpy's "
+                                     f"pickles never do")
+    return np.empty(0).__reduce__()[0](np.ndarray, (0,), dtype)
+
+
 # The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
 # globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
 _CIFAR_PICKLE_GLOBALS = {
-    # numpy's own array rebuilder
-    ("numpy.core.multiarray", "_reconstruct"): np.empty(0).__reduce__()[0],
-    ("numpy", "ndarray"): np.ndarray,
+    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
+    ("numpy", "ndarray"): _ARRAY_CLASS,
     ("numpy", "dtype"): np.dtype,
 }
+
+
+class _CappedGzip(gzip.GzipFile):
+    """A gzip file that refuses to read past `limit` uncompressed bytes. tarfile allocates what a
+    header claims before reading it, and a few kilobytes of gzip can expand to gigabytes: with
+    this, no archive costs more than `limit`."""
+
+    def __init__(self, path, limit):
+        super().__init__(path, "rb")
+        self.limit = limit
+
+    def read(self, size=-1):
+        if size < 0 or self.tell() + size > self.limit:
+            raise InputError(f"{self.name} unpacks to more than {self.limit} bytes, more than "
+                             f"CIFAR-10 holds; it is damaged, delete it and download it again")
+        return super().read(size)
 
 
 def _unpickle_cifar(f, where: str) -> dict:
@@ -1727,18 +1812,22 @@ def _unpickle_cifar(f, where: str) -> dict:
         # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
         # bytes
         obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
-    except (pickle.UnpicklingError, EOFError, ValueError) as e:
-        e.add_note(f"while reading {where}")
-        raise
+    except fid.UnsafePickleError as e:
+        raise fid.UnsafePickleError(f"{where}: {e}") from None
+    # What the few callables allowed raise on arguments that are not numpy's
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
+            IndexError) as e:
+        raise InputError(f"{where} is not a readable CIFAR-10 batch ({type(e).__name__}: {e}); "
+                         f"delete it and download CIFAR-10 again") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
-    return {k.decode() if isinstance(k, bytes) else k: v for k, v in obj.items()}
+        raise InputError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
-def _cifar_pickles(data_dir: str) -> dict[str, dict]:
-    """The five training batches and batches.meta, from the extracted cifar-10-batches-py/ when
-    present, otherwise from cifar-10-python.tar.gz (read in one pass, without extracting),
-    downloaded first if missing."""
+def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
+    """(where they are, {name: batch}) of the five training batches and batches.meta, from the
+    extracted cifar-10-batches-py/ when present, otherwise from cifar-10-python.tar.gz (read in
+    one pass, without extracting), downloaded first if missing."""
     for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(folder, "data_batch_1")):
             found = {}
@@ -1749,50 +1838,52 @@ def _cifar_pickles(data_dir: str) -> dict[str, dict]:
                                             f"cifar-10-python.tar.gz again")
                 with open(path, "rb") as f:
                     found[name] = _unpickle_cifar(f, path)
-            return found
+            return folder, found
     archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
     if not os.path.exists(archive):
         fid.download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
     found = {}
     try:
-        with tarfile.open(archive, "r:gz") as tar:
+        with (_CappedGzip(archive, _CIFAR_MAX_BYTES) as gz,
+              tarfile.open(fileobj=gz, mode="r:") as tar):
             # in archive order: seeking back in a gzip stream would decompress it again
             for member in tar:
                 name = os.path.basename(member.name)
                 if member.isfile() and name in _CIFAR_FILES:
                     found[name] = _unpickle_cifar(tar.extractfile(member),
                                                   f"{archive}:{member.name}")
-    except (tarfile.TarError, EOFError, zlib.error) as e:
-        raise ValueError(f"{archive} is damaged ({e}); delete it and download it again") from e
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
+        raise InputError(f"{archive} is damaged ({e}); delete it and download it again") from None
     missing = [name for name in _CIFAR_FILES if name not in found]
     if missing:
-        raise ValueError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
+        raise InputError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
                          f"CIFAR-10 ({_CIFAR_URL})?")
-    return found
+    return archive, found
 
 
 def _load_cifar10(data_dir: str) -> Dataset:
     """The 50,000 CIFAR-10 training images from the official python-format release."""
-    found = _cifar_pickles(data_dir)
+    where, found = _cifar_pickles(data_dir)
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
         batch = found[name]
-        data, labels = batch.get("data"), np.asarray(batch.get("labels", []))
+        data, labels = batch.get("data"), batch.get("labels")
         if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
                 or data.shape[1] != 3072):
-            raise ValueError(f"{name} has no uint8 (n, 3072) 'data' array; is this the python "
-                             f"version of CIFAR-10?")
-        if (labels.shape != (len(data),)
-                or (labels.size and not 0 <= labels.min() <= labels.max() <= 9)):
-            raise ValueError(f"{name} has {len(data)} images but its labels are not {len(data)} "
-                             f"classes in 0-9")
+            raise InputError(f"{where}: {name} has no uint8 (n, 3072) 'data' array; is this "
+                             f"the python version of CIFAR-10?")
+        if not (isinstance(labels, list) and len(labels) == len(data)
+                and all(type(label) is int and 0 <= label <= 9 for label in labels)):
+            raise InputError(f"{where}: {name} has {len(data)} images but its labels are not "
+                             f"{len(data)} classes in 0-9")
         # rows are channel-major: (n, C, H, W) -> NHWC
         xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        ys.append(labels)
-    names = [n.decode() if isinstance(n, bytes) else n
-             for n in found["batches.meta"].get("label_names", [])]
-    if len(names) != 10:
-        raise ValueError(f"batches.meta names {len(names)} classes, CIFAR-10 has 10")
+        ys.append(np.asarray(labels))
+    names = found["batches.meta"].get("label_names")
+    if not (isinstance(names, list) and len(names) == 10
+            and all(isinstance(n, (bytes, str)) for n in names)):
+        raise InputError(f"{where}: batches.meta does not name CIFAR-10's 10 classes")
+    names = [n.decode("latin1") if isinstance(n, bytes) else n for n in names]
     return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)),
                    np.concatenate(ys).astype(np.int64), 10, names)
 
@@ -1867,7 +1958,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     else:
         files, labels = loose, None
     if not files:
-        raise ValueError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither "
+        raise InputError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither "
                          f"directly nor in class sub-folders")
 
     x, kept, broken = None, [], []
@@ -1881,12 +1972,12 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
                 continue
             if x is None:
                 if arr.shape[0] != arr.shape[1]:
-                    raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; "
+                    raise InputError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; "
                                      f"pass a resolution (--resolution) to centre-crop every image "
                                      f"to that size")
                 x = np.empty((len(files),) + arr.shape, np.uint8)  # (N, H, W, 3)
             elif arr.shape != x.shape[1:]:
-                raise ValueError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but "
+                raise InputError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but "
                                  f"{files[kept[0]]} is {x.shape[2]}x{x.shape[1]}; pass a "
                                  f"resolution (--resolution) to centre-crop every image to one "
                                  f"size")
@@ -1898,7 +1989,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
         warnings.warn(f"skipped {len(broken)} unreadable image(s): " + "; ".join(broken[:10])
                       + (f"; and {len(broken) - 10} more" if len(broken) > 10 else ""))
     if not kept:
-        raise ValueError(f"none of the {len(files)} images in {data_dir} could be read")
+        raise InputError(f"none of the {len(files)} images in {data_dir} could be read")
     y = None if labels is None else np.asarray(labels, np.int64)[kept]
     return Dataset("folder", x[:len(kept)], y, len(class_names), class_names)
 
@@ -1925,39 +2016,50 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     if missing:
         raise FileNotFoundError(f"{data_dir} lacks {', '.join(missing)}: {hint}")
     if has_latents and has_images:
-        raise ValueError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and "
+        raise InputError(f"{data_dir} holds both latents.npy and images.npy; prepare latents and "
                          f"pixels into separate folders")
-    with open(path("manifest.json")) as f:
-        manifest = json.load(f)
+    fix = "prepare the data again with prepare_imagenet100.py"
+    manifest = read_json(path("manifest.json"), lambda m: isinstance(m, dict)
+                         and isinstance(m.get("resolution", 0), (int, type(None)))
+                         and isinstance(m.get("scaling_factor", 0), (int, float, type(None))),
+                         "the manifest that prepare_imagenet100.py writes", fix)
     if manifest.get("complete") is False:
-        raise ValueError(f"the preparation of {data_dir} did not finish; run "
+        raise InputError(f"the preparation of {data_dir} did not finish; run "
                          f"prepare_imagenet100.py again with the same arguments to complete it")
-    with open(path("classes.json")) as f:
-        class_names = [c["name"] for c in json.load(f)]
-    labels = np.load(path("labels.npy"))
+    class_names = [c["name"] for c in read_json(
+        path("classes.json"), lambda c: isinstance(c, list)
+        and all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in c),
+        'a list of {"wnid", "name"}', fix)]
+
+    def memmap(name):  # a mapping reads nothing, and refuses a header claiming more than is there
+        try:
+            with np.errstate(over="ignore"):  # the overflow of a crafted shape is refused below
+                return np.lib.format.open_memmap(path(name), mode="r")
+        except ValueError as e:  # not .npy, objects, a damaged header, or shorter than it says
+            raise InputError(f"{path(name)} is not a readable .npy file ({e}); {fix}") from None
+
+    labels = memmap("labels.npy")
     if has_latents:
-        x = np.load(path("latents.npy"), mmap_mode="r")
+        x = memmap("latents.npy")
         if x.dtype != np.float16 or x.ndim != 5 or x.shape[1] != 2 or x.shape[-1] % 2:
-            raise ValueError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 "
-                             f"(N, 2, h, w, 2*C); prepare it again with prepare_imagenet100.py")
-        if "scaling_factor" not in manifest:
-            raise ValueError(f"{path('manifest.json')} lacks the VAE's scaling_factor; prepare the "
-                             f"data again")
+            raise InputError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 "
+                             f"(N, 2, h, w, 2*C); {fix}")
+        if not (manifest.get("scaling_factor") or 0) > 0:
+            raise InputError(f"{path('manifest.json')} lacks the VAE's scaling_factor; {fix}")
         latent_scale, stored = float(manifest["scaling_factor"]), manifest.get("resolution")
     else:
-        x = np.load(path("images.npy"), mmap_mode="r")
+        x = memmap("images.npy")
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
-            raise ValueError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 "
-                             f"(N, R, R, 3); prepare it again with prepare_imagenet100.py "
-                             f"--pixels R")
+            raise InputError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 "
+                             f"(N, R, R, 3); {fix} --pixels R")
         latent_scale, stored = None, x.shape[1]
     if resolution is not None and stored is not None and resolution != stored:
-        raise ValueError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; leave "
-                         f"the resolution unset or prepare the data again at {resolution}")
-    if (labels.shape != (len(x),)
+        raise InputError(f"{data_dir} was prepared at resolution {stored}, not {resolution}; "
+                         f"leave the resolution unset or prepare the data again at {resolution}")
+    if (labels.shape != (len(x),) or labels.dtype.kind not in "iu"
             or (labels.size and not 0 <= labels.min() <= labels.max() < len(class_names))):
-        raise ValueError(f"{path('labels.npy')} does not hold {len(x)} labels in "
-                         f"0-{len(class_names) - 1}; prepare the data again")
+        raise InputError(f"{path('labels.npy')} does not hold {len(x)} labels in "
+                         f"0-{len(class_names) - 1}; {fix}")
     return Dataset("imagenet100", x, labels.astype(np.int64), len(class_names), class_names,
                    latent_scale)
 
@@ -1972,7 +2074,7 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
     match what the other datasets hold."""
     if name == "folder":
         if data_dir is None:
-            raise ValueError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
+            raise InputError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
                              "images, with one sub-folder per class or none")
         return _load_folder(data_dir, resolution)
     data_dir = data_dir or default_data_dir(name)
@@ -2006,15 +2108,15 @@ class Loader:
                  process_index: int = 0, process_count: int = 1, prefetch: int = 2, subset=None):
         self.subset = np.arange(len(ds)) if subset is None else np.asarray(subset)
         if not 0 < global_batch <= len(self.subset):
-            raise ValueError(f"global batch {global_batch} must be between 1 and the number of "
+            raise InputError(f"global batch {global_batch} must be between 1 and the number of "
                              f"training samples ({len(self.subset)})")
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"process {process_index} of {process_count} does not exist")
         if global_batch % process_count:
-            raise ValueError(f"global batch {global_batch} does not split evenly over "
+            raise InputError(f"global batch {global_batch} does not split evenly over "
                              f"{process_count} processes; make it a multiple of {process_count}")
         if seed < 0 or start_step < 0 or prefetch < 1:
-            raise ValueError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
+            raise InputError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
                              f"{start_step} and {prefetch}")
         self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
         self.local_batch = global_batch // process_count
@@ -2111,6 +2213,19 @@ def write_atomically(path, write):
         os.close(dir_fd)
 
 
+def read_json(path, valid, expected, fix):
+    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
+    and saying `fix`, rather than later as a KeyError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not valid(obj):
+        raise InputError(f"{path} is not {expected}; {fix}")
+    return obj
+
+
 def save_checkpoint(run_dir, state, meta, keep):
     """Save the whole training state as checkpoints/step_XXXXXXX.npz and keep the newest `keep`."""
     # every process joins the gather; process 0 alone writes
@@ -2138,16 +2253,20 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path):
-    """(metadata, arrays) of a checkpoint. Plain .npz with allow_pickle=False: loading runs no
-    code."""
+    """(metadata, arrays) of a checkpoint, read by fid.read_npz: no pickle, and no size that the
+    file claims is believed before it is checked against the file."""
+    fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
-        with np.load(path, allow_pickle=False) as f:
-            return json.loads(str(f["__meta__"])), {k: f[k] for k in f.files if k != "__meta__"}
-    except Exception as e:  # a damaged zip fails in many ways
-        # (BadZipFile, EOFError, ValueError, ...)
-        raise ValueError(f"{path} is not a readable DiT checkpoint ({type(e).__name__}: {e}); if "
-                         f"it is the newest of a run that crashed, delete it to resume from the "
-                         f"one before") from None
+        arrays = fid.read_npz(path)
+        meta = json.loads(str(arrays.pop("__meta__")))
+    except InputError as e:
+        raise InputError(f"{path} is not a readable DiT checkpoint "
+                         f"({str(e).removeprefix(f'{path}: ')}); {fix}") from None
+    except (KeyError, ValueError, RecursionError):  # no metadata, or not JSON
+        meta = None
+    if not isinstance(meta, dict):
+        raise InputError(f"{path} is not a DiT checkpoint: it has no metadata; {fix}")
+    return meta, arrays
 
 
 def restore_state(arrays, abstract_state, shardings, what):
@@ -2156,13 +2275,14 @@ def restore_state(arrays, abstract_state, shardings, what):
     names = flatten(abstract_state)
     missing = sorted(set(names) - set(arrays))
     if missing:
-        raise ValueError(f"{what} lacks {missing[:3]}...: it was written for another model or "
+        raise InputError(f"{what} lacks {missing[:3]}...: it was written for another model or "
                          f"optimizer")
     leaves = []
     for (name, like), sharding in zip(names.items(), jax.tree.leaves(shardings)):
-        if arrays[name].shape != like.shape:
-            raise ValueError(f"{what}: {name} has shape {arrays[name].shape}, the model needs "
-                             f"{like.shape}: the checkpoint is from another model size")
+        if arrays[name].shape != like.shape or arrays[name].dtype.kind not in "fiu":
+            raise InputError(f"{what}: {name} is {arrays[name].dtype} {arrays[name].shape}, the "
+                             f"model needs {like.dtype} {like.shape}: the checkpoint is from "
+                             f"another model size, or damaged")
         array = arrays[name].astype(like.dtype)
         # Each process places only its own devices' slices (device_put of a host array would compare
         # it across all hosts first, sending the whole state over the network once per host).
@@ -2176,7 +2296,7 @@ def export_ema(ckpt_path, out_path):
     model configuration in the metadata: small enough to share, and loadable by the official
     code."""
     if not ckpt_path.endswith(".npz"):
-        raise SystemExit(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
+        raise InputError(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
                          f"reads the .safetensors and .pt files directly")
     model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
     params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -2184,7 +2304,7 @@ def export_ema(ckpt_path, out_path):
                for name, value in params.items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
-    header = {key: json.dumps(meta[key]) for key in ("model", "objective", "latent_scale")}
+    header = {key: json.dumps(meta.get(key)) for key in ("model", "objective", "latent_scale")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
 
@@ -2235,9 +2355,19 @@ def setup_distributed(args):
 
 def check_batch_size(batch_size):
     """The global batch is split evenly over all devices of all hosts."""
-    if batch_size < 1 or batch_size % jax.device_count():
-        raise SystemExit(f"--batch-size {batch_size} does not split over {jax.device_count()} "
-                         f"devices; use a positive multiple of {jax.device_count()}")
+    if batch_size % jax.device_count():
+        raise InputError(f"--batch-size {batch_size} does not split over {jax.device_count()} "
+                         f"devices; use a multiple of {jax.device_count()}")
+
+
+def model_config(args, input_size, in_channels, num_classes):
+    """The DiTConfig of the model options (model_options) for inputs of this shape."""
+    if input_size % args.patch:
+        raise InputError(f"--patch {args.patch} does not divide the input size {input_size}; "
+                         f"choose a patch size that does")
+    return dit_config(f"{args.size}/{args.patch}", input_size=input_size, in_channels=in_channels,
+                      num_classes=num_classes, learn_sigma=args.objective == "ddpm",
+                      **architecture(args))
 
 
 def compute_dtype(precision):
@@ -2331,20 +2461,21 @@ def open_run(args, cfg, ds):
     checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
     if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
         where = "in " + args.run_dir if args.resume == "latest" else args.resume
-        raise SystemExit(f"--resume: no checkpoint {where}")
+        raise InputError(f"--resume: no checkpoint {where}")
     newer = [p for p in found if os.path.basename(p) > os.path.basename(checkpoint or "")]
     if newer:  # a later automatic resume would jump back to them, mixing two histories in one run
-        raise SystemExit(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
+        raise InputError(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
                          f"({os.path.basename(newer[-1])}); continue in another --run-dir, or move "
                          f"those away")
     path = os.path.join(args.run_dir, "run.json")
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        old = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
+                        "delete it to go on with this command's settings, or use another "
+                        "--run-dir")
         diff = {k: (old.get(k), settings[k]) for k in settings if old.get(k) != settings[k]}
         if diff:
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise SystemExit(f"{args.run_dir} holds another run ({changes}). Use another "
+            raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
                              f"--run-dir, or the same settings to resume it.")
     elif jax.process_index() == 0:
         os.makedirs(args.run_dir, exist_ok=True)
@@ -2376,13 +2507,16 @@ class MetricsLog:
         self.pending, self.t0 = [], time.perf_counter()
         if jax.process_index() == 0 and os.path.exists(self.path):
             kept = []
-            with open(self.path) as f:
+            # A line that a crash cut short, or that is not a record, is dropped with the rest.
+            with open(self.path, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     try:
-                        if json.loads(line)["step"] <= start:
-                            kept.append(line)
-                    except ValueError:  # a line that a crash cut short
-                        pass
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):
+                        continue
+                    if (isinstance(record, dict) and isinstance(record.get("step"), int)
+                            and record["step"] <= start):
+                        kept.append(line)
             write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
 
     def write(self, record):
@@ -2443,10 +2577,12 @@ def train(args):
     check_batch_size(args.batch_size)
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=H, in_channels=C,
-                     num_classes=ds.num_classes, learn_sigma=args.objective == "ddpm",
-                     **architecture(args))
-    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
+    cfg = model_config(args, H, C, ds.num_classes)
+    try:
+        objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc,
+                                   args.ln_scale)
+    except ValueError as e:  # argparse's choices leave only --ln-scale to refuse
+        raise InputError(f"--ln-scale: {e}") from None
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
     train_idx, held_out = hold_out(len(ds), args.val_images)
 
@@ -2458,7 +2594,7 @@ def train(args):
     if checkpoint:
         print(f"resumed {checkpoint}")
     if args.profile and args.steps < start + PROFILE_STEPS.stop:
-        raise SystemExit(f"--profile traces steps {start + PROFILE_STEPS.start + 1} to "
+        raise InputError(f"--profile traces steps {start + PROFILE_STEPS.start + 1} to "
                          f"{start + PROFILE_STEPS.stop}, after step {start} where this run starts; "
                          f"it ends at step {args.steps}")
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
@@ -2515,30 +2651,67 @@ def train(args):
 #                          13. Sampling and evaluation                          #
 #################################################################################
 
+def model_of_metadata(path, meta, arrays, dtype):
+    """(abstract DiT, objective) that the metadata of the weight file `path` records: "model",
+    DiTConfig's fields, "objective", make_objective's arguments, and "latent_scale". A file can
+    claim anything, so they are checked first: a configuration that no DiT has, or more blocks than
+    the file has `arrays` (each block costs memory to build), is refused naming the file."""
+    def refuse(problem):
+        return InputError(f"{path}: {problem}; the file is damaged or was not written by dit.py")
+    kinds = {int: int, float: (int, float), bool: bool}
+    fields = {f.name: kinds[f.type] for f in dataclasses.fields(DiTConfig)}
+    config, settings, scale = (meta.get(k) for k in ("model", "objective", "latent_scale"))
+    if not (isinstance(config, dict)
+            and all(k in fields and isinstance(v, fields[k]) for k, v in config.items())):
+        raise refuse("its metadata holds no DiT configuration")
+    cfg = DiTConfig(**config)
+    sizes = (cfg.input_size, cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.num_heads)
+    if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
+            or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
+            or cfg.input_size % cfg.patch_size or cfg.hidden_size % 4
+            or cfg.hidden_size % cfg.num_heads or cfg.hidden_size // cfg.num_heads % 4):
+        raise refuse(f"no DiT has the configuration it records, {cfg}")
+    try:
+        objective = make_objective(settings["name"], settings.get("timestep_sampling",
+                                                                  "logit_normal"),
+                                   settings.get("loc", 0.0), settings.get("scale", 1.0))
+    except (TypeError, KeyError, ValueError, AttributeError):
+        raise refuse(f"its metadata records no objective of dit.py ({settings!r})") from None
+    if isinstance(objective, GaussianDiffusion) != cfg.learn_sigma:
+        raise refuse("its objective and its model's outputs disagree (DDPM learns the variance, "
+                     "rectified flow does not)")
+    if not (scale is None or isinstance(scale, (int, float)) and scale > 0):
+        raise refuse(f"its latent_scale {scale!r} is not a positive number")
+    return nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
+
+
 def load_model(path, dtype=jnp.float32):
-    """(model, objective settings, metadata) for sampling, from any of the three weight files:
-    our training checkpoint (.npz; its EMA weights), an exported .safetensors, or an official
-    .pt."""
+    """(model, objective, metadata) for sampling, from any of the three weight files: our training
+    checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
     if path.endswith(".npz"):
         meta, arrays = read_checkpoint(path)
-        model = nnx.eval_shape(lambda: DiT(DiTConfig(**meta["model"]), dtype=dtype,
-                                           rngs=nnx.Rngs(0)))
-        names = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        set_params(model, {name: arrays["ema." + name] for name in names})
-        return model, meta["objective"], meta
+        ema = {name[len("ema."):]: a for name, a in arrays.items() if name.startswith("ema.")}
+        model, objective = model_of_metadata(path, meta, len(ema), dtype)
+        params = flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        wrong = [name for name, like in params.items() if name not in ema
+                 or ema[name].shape != like.shape or ema[name].dtype.kind not in "fiu"]
+        if wrong:
+            raise InputError(f"{path}: its EMA weights do not fit the model its metadata records "
+                             f"(e.g. ema.{wrong[0]}); the file is damaged")
+        return set_params(model, ema), objective, meta
     if path.endswith(".safetensors"):
         tensors, raw = read_safetensors(path)
-        if "model" not in raw:
-            raise ValueError(f"{path} has no model configuration in its metadata; was it written "
-                             f"by `dit.py export`?")
-        meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
-        model = nnx.eval_shape(lambda: DiT(DiTConfig(**meta["model"]), dtype=dtype,
-                                           rngs=nnx.Rngs(0)))
+        try:
+            meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
+        except (KeyError, ValueError, RecursionError):
+            raise InputError(f"{path} has no model configuration in its metadata; was it written "
+                             f"by `dit.py export`?") from None
+        model, objective = model_of_metadata(path, meta, len(tensors), dtype)
         load_state_dict(model, tensors, path)
-        return model, meta["objective"], meta
+        return model, objective, meta
     # The released checkpoints were trained with DDPM on SD-VAE latents.
-    return (load_dit_checkpoint(path, dtype=dtype), {"name": "ddpm"},
-            {"latent_scale": VAEConfig().scaling_factor})
+    return (load_dit_checkpoint(path, dtype=dtype), GaussianDiffusion(),
+            {"objective": {"name": "ddpm"}, "latent_scale": VAEConfig().scaling_factor})
 
 
 def to_uint8(images):
@@ -2570,6 +2743,15 @@ def save_grid(images, path):
 # in float32 (its CPU compiler's count). 32 images, the official sample_ddp.py's default batch per
 # GPU: about 7 GiB in float32, half that in bfloat16, at any sampling batch.
 DECODE_CHUNK = 32
+
+
+def load_decoder(source, channels, dtype):
+    """The VAE `source` (load_vae's) that decodes a model's latents of `channels` channels."""
+    vae = load_vae(source, dtype=dtype)
+    if vae.cfg.latent_channels != channels:
+        raise InputError(f"--vae {source}: its latents have {vae.cfg.latent_channels} channels, "
+                         f"the model's {channels}; pass the VAE that encoded the training data")
+    return vae
 
 
 class Sampler:
@@ -2686,7 +2868,8 @@ class Evaluator:
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
                                     method=DEFAULT_SAMPLER[args.objective][0],
-                                    vae=(load_vae(args.vae, dtype=vae_dtype(args.precision))
+                                    vae=(load_decoder(args.vae, ds.input_shape[-1],
+                                                      vae_dtype(args.precision))
                                          if ds.is_latent else None),
                                     latent_scale=ds.latent_scale)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
@@ -2792,11 +2975,9 @@ def bench(args):
     check_batch_size(args.batch_size)
     latent_channels = VAEConfig().latent_channels
     if args.fid and args.channels != latent_channels:
-        raise SystemExit(f"--fid decodes with the SD VAE, whose latents have {latent_channels} "
+        raise InputError(f"--fid decodes with the SD VAE, whose latents have {latent_channels} "
                          f"channels; use --channels {latent_channels}")
-    cfg = dit_config(f"{args.size}/{args.patch}", input_size=args.image_size,
-                     in_channels=args.channels, num_classes=1000,
-                     learn_sigma=args.objective == "ddpm", **architecture(args))
+    cfg = model_config(args, args.image_size, args.channels, 1000)
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
@@ -2887,14 +3068,12 @@ def sample_command(args):
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
-            raise SystemExit("--gif animates a grid; it does not go with --fid")
-    model, obj, meta = load_model(args.ckpt, compute_dtype(args.precision))
-    objective = make_objective(obj["name"], obj.get("timestep_sampling", "logit_normal"),
-                               obj.get("loc", 0.0), obj.get("scale", 1.0))
-    default_method, default_steps = DEFAULT_SAMPLER[obj["name"]]
+            raise InputError("--gif animates a grid; it does not go with --fid")
+    model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+    default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
     cfg = model.cfg
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
-        raise SystemExit(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
+        raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
                          f"model")
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
@@ -2902,8 +3081,8 @@ def sample_command(args):
                       method=args.sampler or default_method, cfg_scale=args.cfg_scale,
                       guidance_channels=3 if args.guidance_channels == "3" else None,
                       interval=args.guidance_interval,
-                      vae=load_vae(args.vae, dtype=vae_dtype(args.precision)) if latent_scale
-                      else None,
+                      vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+                           if latent_scale else None),
                       latent_scale=latent_scale,
                       return_trajectory=bool(args.gif))
     # the weights on every device, once
@@ -2983,7 +3162,8 @@ def build_parser():
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
                        "no launcher (SLURM, Open MPI, TPU pod) set up")
-    hosts.add_argument("--num-processes", type=int, help="number of processes of a multi-host run")
+    hosts.add_argument("--num-processes", type=fid.positive_int,
+                       help="number of processes of a multi-host run")
     hosts.add_argument("--process-id", type=int, help="this process's index in a multi-host run")
     weights = argparse.ArgumentParser(add_help=False)
     weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
@@ -3006,7 +3186,8 @@ def build_parser():
                    help="what to train on; its recipe (below) gives the defaults")
     t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for "
                    "mnist and cifar10)")
-    t.add_argument("--resolution", type=int, help="centre-crop size for --dataset folder")
+    t.add_argument("--resolution", type=fid.positive_int,
+                   help="centre-crop size for --dataset folder")
     t.add_argument("--timestep-sampling", default="logit_normal",
                    choices=["logit_normal", "uniform"],
                    help="distribution of rectified flow's training times")
@@ -3014,8 +3195,9 @@ def build_parser():
                    help="mean of the logit-normal timestep distribution")
     t.add_argument("--ln-scale", type=float, default=1.0,
                    help="scale of the logit-normal timestep distribution")
-    t.add_argument("--batch-size", type=int, help="global batch over all devices and hosts")
-    t.add_argument("--steps", type=int, help="training steps")
+    t.add_argument("--batch-size", type=fid.positive_int,
+                   help="global batch over all devices and hosts")
+    t.add_argument("--steps", type=fid.positive_int, help="training steps")
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"),
                    help="AdamW's moment decays")
@@ -3027,20 +3209,23 @@ def build_parser():
                    "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
     t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "
                    "file; without a file, from the newest in --run-dir, which must have one")
-    t.add_argument("--log-every", type=int, help="steps between records in metrics.jsonl")
-    t.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
-    t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    t.add_argument("--sample-every", type=int, help="steps between sample grids")
+    t.add_argument("--log-every", type=fid.positive_int,
+                   help="steps between records in metrics.jsonl")
+    t.add_argument("--ckpt-every", type=fid.positive_int, help="steps between checkpoints")
+    t.add_argument("--keep", type=fid.positive_int, default=3,
+                   help="checkpoints kept (the newest is what a run resumes from)")
+    t.add_argument("--sample-every", type=fid.positive_int, help="steps between sample grids")
     t.add_argument("--val-images", type=int, default=0, help="samples held out of training for "
                    "the validation loss (0: none); the same ones in every run on the dataset")
-    t.add_argument("--val-every", type=int, help="steps between validation losses (default: "
-                   "--sample-every)")
-    t.add_argument("--sample-steps", type=int,
+    t.add_argument("--val-every", type=fid.positive_int, help="steps between validation losses "
+                   "(default: --sample-every)")
+    t.add_argument("--sample-steps", type=fid.positive_int,
                    help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
     t.add_argument("--cfg-scale", type=float, default=4.0,
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=int, default=0, help="FID every N steps (0: never)")
-    t.add_argument("--fid-samples", type=int, default=5000, help="samples for --fid-every")
+    t.add_argument("--fid-samples", type=fid.positive_int, default=5000,
+                   help="samples for --fid-every")
     t.add_argument("--final-fid", type=int, default=10_000,
                    help="samples for the FID at the end (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
@@ -3058,7 +3243,7 @@ def build_parser():
                    help="training checkpoint .npz, exported .safetensors or official .pt")
     s.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale (1: none)")
-    s.add_argument("--steps", type=int, help="sampling steps (rf: 50, ddpm: 250)")
+    s.add_argument("--steps", type=fid.positive_int, help="sampling steps (rf: 50, ddpm: 250)")
     s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"],
                    help="rf: euler (default) or heun; ddpm: ddpm (default) or ddim")
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
@@ -3066,14 +3251,15 @@ def build_parser():
                    "computed")
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
                    help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale")
-    s.add_argument("--n", type=int, default=16, help="images in the grid")
+    s.add_argument("--n", type=fid.positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
     s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
     s.add_argument("--fid", type=int, default=0,
                    help="draw this many samples (labels spread evenly) as .npz")
     s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
-    s.add_argument("--batch-size", type=int, default=64, help="global sampling batch for --fid")
+    s.add_argument("--batch-size", type=fid.positive_int, default=64,
+                   help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
     s.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                    help="compute dtype of the model and the VAE (default: as for training; fp32 "
@@ -3086,12 +3272,13 @@ def build_parser():
     b = sub.add_parser("bench", parents=[model_options("S", 2)],
                        help="speed with random weights: training and forward images/s, ms/step, "
                        "memory, MFU; FID-N end to end")
-    b.add_argument("--image-size", type=int, default=32,
+    b.add_argument("--image-size", type=fid.positive_int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
-    b.add_argument("--channels", type=int, default=4, help="input channels (latents: 4)")
-    b.add_argument("--batch-size", type=int, default=256,
+    b.add_argument("--channels", type=fid.positive_int, default=4,
+                   help="input channels (latents: 4)")
+    b.add_argument("--batch-size", type=fid.positive_int, default=256,
                    help="global batch of training, of the forward pass and of FID sampling")
-    b.add_argument("--steps", type=int, default=10,
+    b.add_argument("--steps", type=fid.positive_int, default=10,
                    help="timed training steps and forward passes after the compiling one")
     b.add_argument("--fid", type=int, default=0, metavar="N",
                    help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
@@ -3119,18 +3306,12 @@ def main(argv=None):
         return print("EMA weights:", export_ema(args.ckpt, args.out))
     if args.command == "bench":
         return bench(args)
-    if args.keep < 1:
-        raise SystemExit("--keep must be at least 1: the newest checkpoint is what a run resumes "
-                         "from")
     for key, value in RECIPES[args.dataset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.val_every = args.val_every or args.sample_every
-    for key in ("steps", "log_every", "ckpt_every", "sample_every", "val_every"):
-        if getattr(args, key) < 1:
-            raise SystemExit(f"--{key.replace('_', '-')} must be at least 1 (a number of steps)")
     if args.val_images < 0 or args.val_images % jax.device_count():
-        raise SystemExit(f"--val-images {args.val_images} does not split over "
+        raise InputError(f"--val-images {args.val_images} does not split over "
                          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
     args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]
     args.run_dir = (args.run_dir
@@ -3140,4 +3321,4 @@ def main(argv=None):
 
 # pasted into a notebook: call main([...])
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    main()
+    fid.run_cli(main)

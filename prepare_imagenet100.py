@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import fid
-from dit import load_image, load_vae, write_atomically
+from dit import load_image, load_vae, read_json, write_atomically
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100
@@ -152,19 +152,6 @@ def encode_with_flip(vae, images):
 def write_json(path, obj):
     """Write atomically: a crash leaves either the old or the new file, never half of one."""
     write_atomically(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
-
-
-def read_json(path, valid, expected, fix):
-    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
-    and saying `fix`, rather than later as a KeyError."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise fid.InputError(f"{path} is not valid JSON ({e}); {fix}") from None
-    if not valid(obj):
-        raise fid.InputError(f"{path} is not {expected}; {fix}")
-    return obj
 
 
 def is_manifest(m):
