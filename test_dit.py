@@ -172,8 +172,7 @@ def train_args(data_dir, run_dir, steps, extra=()):
     return ["--dataset", "folder", "--data-dir", data_dir, "--resolution", "8", "--size", "T",
             "--patch", "2", "--batch-size", "8", "--steps", str(steps), "--log-every", "1",
             "--ckpt-every", "3", "--sample-every", "1000", "--sample-steps", "2", "--final-fid",
-            "0", "--run-dir", str(run_dir), "--lr", "1e-3", "--ema-decay", "0.9",
-            "--val-images", "8", "--val-every", "3", *extra]
+            "0", "--run-dir", str(run_dir), "--lr", "1e-3", "--ema-decay", "0.9", *extra]
 
 
 def final_state(run_dir):
@@ -924,10 +923,10 @@ def test_training_loss_is_logged_by_noise_level():
 
     cfg = dit.DiTConfig(input_size=4, patch_size=2, in_channels=1, hidden_size=16, depth=1,
                         num_heads=2, num_classes=0, learn_sigma=False)
-    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
     tx, _ = dit.make_optimizer(1e-4)
-    step = dit.make_train_step(nnx.graphdef(model), Known(), tx, 0.9, 0)
-    _, metrics = step(dit.new_train_state(model, tx), jnp.zeros((8, 4, 4, 1)), jnp.zeros(8, int))
+    graphdef, state, _ = dit.init_state(cfg, tx, 0, dit.make_mesh(), False, jnp.float32, None)
+    step = jax.jit(dit.make_train_step(graphdef, Known(), tx, 0.9, 0))
+    _, metrics = step(state, jnp.zeros((8, 4, 4, 1)), jnp.zeros(8, int))
     assert dit.LOSS_BINS == 4
     np.testing.assert_array_equal(metrics["count_by_t"], [3, 2, 2, 1])
     np.testing.assert_array_equal(metrics["loss_by_t"], [0 + 1 + 7, 2 + 6, 3 + 5, 4])
@@ -1769,10 +1768,30 @@ np.savez = savez_and_die
 """
 
 
-def test_resume_is_exact_after_kill(tmp_path, folder_data):
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, folder_data):
+    """Nine uninterrupted training steps on one device, with checkpoints at steps 3, 6 and 9 and
+    validation losses at the same steps: what the tests of resuming, devices and hosts compare
+    with (all with VALIDATION, which holds samples out of the training set)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    run_dit(run_dir.parent, train_args(folder_data, run_dir, 9, VALIDATION))
+    return run_dir
+
+
+VALIDATION = ["--val-images", "8", "--val-every", "3"]
+
+
+def state_at(run_dir, step):
+    return dit.read_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step:07d}.npz"))[1]
+
+
+def records(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     """6 uninterrupted steps == 3 steps, a kill, 3 resumed steps, bit for bit."""
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "straight", 6))
-    killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6),
+    killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6, VALIDATION),
                      patch=KILL_AFTER_CHECKPOINT, check=False)
     assert killed.returncode == 9
     assert ([os.path.basename(p) for p in dit.list_checkpoints(tmp_path / "resumed")]
@@ -1781,53 +1800,51 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data):
     # may have left a line half-written.
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 0.5}\n{"step": 5, "lo')
-    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6, ["--resume"]))
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6,
+                                       [*VALIDATION, "--resume"]))
     assert "resumed" in out.stdout
-    _, a = final_state(tmp_path / "straight")
-    _, b = final_state(tmp_path / "resumed")
+    a, b = state_at(straight_run, 6), final_state(tmp_path / "resumed")[1]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     # the log holds each step once, and the validation losses (fixed held-out samples, fixed
     # noise) of the resumed run are those of the uninterrupted one
-    records = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    resumed = records(tmp_path / "resumed")
+    assert [r["step"] for r in resumed if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert all(set(r["loss_t"]) == {"0.00-0.25", "0.25-0.50", "0.50-0.75", "0.75-1.00"}
-               for r in records if "loss" in r)
-    straight = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
-    validation = [r for r in records if "val_loss" in r]
+               for r in resumed if "loss" in r)
+    validation = [r for r in resumed if "val_loss" in r]
     assert [r["step"] for r in validation] == [3, 6]
-    assert validation == [r for r in straight if "val_loss" in r]
+    assert validation == [r for r in records(straight_run) if "val_loss" in r][:2]
     assert set(validation[0]["val_loss_t"]) == {f"{t:g}" for t in dit.VAL_TIMES}
     # --resume FILE continues another run's checkpoint in a new run directory, exactly again; within
     # its own run, going back behind newer checkpoints is refused (a later resume would jump to
     # them)
-    step3 = str(tmp_path / "straight" / "checkpoints" / "step_0000003.npz")
-    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "straight", 6, ["--resume", step3]),
-                  check=False)
-    assert out.returncode != 0 and "holds newer checkpoints (step_0000006.npz)" in out.stderr
-    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "branch", 6, ["--resume", step3]))
+    step3 = str(straight_run / "checkpoints" / "step_0000003.npz")
+    out = run_dit(tmp_path, train_args(folder_data, straight_run, 9,
+                                       [*VALIDATION, "--resume", step3]), check=False)
+    assert out.returncode != 0 and "holds newer checkpoints (step_0000009.npz)" in out.stderr
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "branch", 6,
+                                       [*VALIDATION, "--resume", step3]))
     assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
-    _, c = final_state(tmp_path / "branch")
+    c = final_state(tmp_path / "branch")[1]
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
-    branch = [json.loads(line) for line in open(tmp_path / "branch" / "metrics.jsonl")]
-    assert [r["step"] for r in branch if "loss" in r] == [4, 5, 6]
+    assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [4, 5, 6]
 
 
-def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data):
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "straight", 9))
+def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data,
+                                                               straight_run):
     run_dir = tmp_path / "crashed"
-    killed = run_dit(tmp_path, train_args(folder_data, run_dir, 9), patch=KILL_WHILE_WRITING,
-                     check=False)
+    killed = run_dit(tmp_path, train_args(folder_data, run_dir, 9, VALIDATION),
+                     patch=KILL_WHILE_WRITING, check=False)
     assert killed.returncode == -9
     names = sorted(os.listdir(run_dir / "checkpoints"))
     assert "step_0000003.npz" in names and "step_0000006.npz" not in names
     # the half-written file is there, under its temporary name
     assert any(".tmp" in n for n in names)
-    out = run_dit(tmp_path, train_args(folder_data, run_dir, 9))
+    out = run_dit(tmp_path, train_args(folder_data, run_dir, 9, VALIDATION))
     assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
-    _, a = final_state(tmp_path / "straight")
-    _, b = final_state(run_dir)
+    a, b = final_state(straight_run)[1], final_state(run_dir)[1]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
@@ -1850,21 +1867,20 @@ def test_default_precision_per_device():
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
 
 
-def test_one_device_equals_four_and_fsdp(tmp_path, folder_data):
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "one", 4), devices=1)
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "four", 4), devices=4)
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "fsdp", 4, ["--fsdp"]), devices=4)
-    meta, one = final_state(tmp_path / "one")
-    _, four = final_state(tmp_path / "four")
-    _, fsdp = final_state(tmp_path / "fsdp")
-    assert int(one["step"]) == 4
+def test_four_devices_and_fsdp_equal_one(tmp_path, folder_data, straight_run):
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "four", 3, VALIDATION), devices=4)
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "fsdp", 3, [*VALIDATION, "--fsdp"]),
+            devices=4)
+    one = state_at(straight_run, 3)
+    assert int(one["step"]) == 3
     # the parameters moved: the comparison is not between two untouched initialisations
-    cfg = dit.DiTConfig(**meta["model"])
-    start = nnx.to_pure_dict(nnx.state(dit.DiT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    meta, _ = final_state(straight_run)
+    start = nnx.to_pure_dict(nnx.state(dit.DiT(dit.DiTConfig(**meta["model"]), rngs=nnx.Rngs(0)),
+                                       nnx.Param))
     assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"],
                            np.asarray(start["blocks"][0]["attn"]["qkv"]["kernel"]))
-    assert_states_close(one, four)
-    assert_states_close(one, fsdp)
+    assert_states_close(one, final_state(tmp_path / "four")[1])
+    assert_states_close(one, final_state(tmp_path / "fsdp")[1])
 
 
 def free_port():
@@ -1873,19 +1889,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_hosts_equal_one(tmp_path, folder_data):
-    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 4 devices.
+def test_two_hosts_equal_one(tmp_path, folder_data, straight_run):
+    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 1 device.
     Process 0 joins by the command-line flags, process 1 as the second task of a SLURM job would,
     from the environment (JAX reads the task count and index from SLURM's variables)."""
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "single", 4), devices=4)
     port = free_port()
     script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(here=HERE, patch=""))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu"}
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
              "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
              "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
-    args = train_args(folder_data, tmp_path / "multi", 4)
+    args = train_args(folder_data, tmp_path / "multi", 3, VALIDATION)
     procs = [subprocess.Popen([sys.executable, str(script), *args, *extra], env={**env, **more},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for extra, more in [(["--coordinator", f"localhost:{port}", "--num-processes", "2",
@@ -1893,9 +1909,7 @@ def test_two_hosts_equal_one(tmp_path, folder_data):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     assert "4 devices, 2 processes" in outs[0]
-    _, single = final_state(tmp_path / "single")
-    _, multi = final_state(tmp_path / "multi")
-    assert_states_close(single, multi)
+    assert_states_close(state_at(straight_run, 3), final_state(tmp_path / "multi")[1])
 
 
 def losses(run_dir):
@@ -1977,28 +1991,20 @@ dit.Loader.batch = poisoned
     assert all(np.isfinite(v).all() for v in arrays.values())
 
 
-@pytest.fixture(scope="module")
-def one_step_run(tmp_path_factory, folder_data):
-    """A run directory holding one training step and its checkpoint."""
-    run_dir = tmp_path_factory.mktemp("one_step") / "run"
-    run_dit(run_dir.parent, train_args(folder_data, run_dir, 1))
-    return run_dir
-
-
 def test_batch_that_does_not_split_over_the_devices_is_refused(tmp_path, folder_data):
     out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 2, ["--batch-size", "6"]),
                   devices=4, check=False)
     assert out.returncode != 0 and "does not split over 4 devices" in out.stderr
 
 
-def test_run_dir_of_another_run_is_refused(tmp_path, folder_data, one_step_run):
-    out = run_dit(tmp_path, train_args(folder_data, one_step_run, 2, ["--objective", "ddpm"]),
+def test_run_dir_of_another_run_is_refused(tmp_path, folder_data, straight_run):
+    out = run_dit(tmp_path, train_args(folder_data, straight_run, 2, ["--objective", "ddpm"]),
                   check=False)
     assert out.returncode != 0 and "holds another run" in out.stderr and "objective" in out.stderr
 
 
-def test_checkpoint_of_another_model_size_is_refused(one_step_run):
-    meta, arrays = final_state(one_step_run)
+def test_checkpoint_of_another_model_size_is_refused(straight_run):
+    meta, arrays = final_state(straight_run)
     cfg = dit.DiTConfig(**{**meta["model"], "hidden_size": 64, "num_heads": 2})
     tx, _ = dit.make_optimizer(1e-4)
     _, state, shardings = dit.init_state(cfg, tx, 0, dit.make_mesh(), False, jnp.float32, False)
