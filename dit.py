@@ -288,7 +288,7 @@ def attention_implementation(dtype, head_dim, device=None):
 class Attention(nnx.Module):
     """Multi-head self-attention with a fused qkv projection (timm's Attention, which DiT uses).
     With qk_norm, each head's queries and keys are RMS-normalised with a learned scale before they
-    meet, which bounds the attention logits (SD3, Esser et al. 2024, Sec. 5.3.2)."""
+    meet, which bounds the attention logits (SD3, Esser et al. 2024)."""
 
     def __init__(self, dim, num_heads, qk_norm=False, *, dtype, rngs):
         self.num_heads = num_heads
@@ -2333,6 +2333,26 @@ RECIPES = {
 # compiles the training step: the trace shows the steps that follow, not the compilation.
 PROFILE_STEPS = range(10, 15)
 
+
+class StepTrace:
+    """`train --profile DIR`: a jax.profiler trace of PROFILE_STEPS of a run that starts at step
+    `start`. Called before each step with the state, and once after the last."""
+
+    def __init__(self, directory, start, steps):
+        self.directory = directory
+        self.first, self.end = start + PROFILE_STEPS.start, start + PROFILE_STEPS.stop
+        if directory and steps < self.end:
+            raise InputError(f"--profile traces steps {self.first + 1} to {self.end}, after step "
+                             f"{start} where this run starts; it ends at step {steps}")
+
+    def __call__(self, step, state):
+        if self.directory and step in (self.first, self.end):
+            jax.block_until_ready(state)  # the trace holds exactly the steps between
+            if step == self.first:
+                jax.profiler.start_trace(self.directory)
+            else:
+                jax.profiler.stop_trace()
+
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit+"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
@@ -2578,11 +2598,7 @@ def train(args):
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
-    try:
-        objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc,
-                                   args.ln_scale)
-    except ValueError as e:  # argparse's choices leave only --ln-scale to refuse
-        raise InputError(f"--ln-scale: {e}") from None
+    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
     train_idx, held_out = hold_out(len(ds), args.val_images)
 
@@ -2593,10 +2609,7 @@ def train(args):
     start = int(to_host(state["step"]))
     if checkpoint:
         print(f"resumed {checkpoint}")
-    if args.profile and args.steps < start + PROFILE_STEPS.stop:
-        raise InputError(f"--profile traces steps {start + PROFILE_STEPS.start + 1} to "
-                         f"{start + PROFILE_STEPS.stop}, after step {start} where this run starts; "
-                         f"it ends at step {args.steps}")
+    trace = StepTrace(args.profile, start, args.steps)
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
@@ -2613,17 +2626,12 @@ def train(args):
     with Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
                 subset=train_idx) as loader:
         for step, (x, y) in zip(bar, loader):
-            if args.profile and step - start == PROFILE_STEPS.start:
-                jax.block_until_ready(state)  # so that the trace holds none of the earlier steps
-                jax.profiler.start_trace(args.profile)
+            trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
             state, metrics = step_fn(state, x, y)
             log.add(metrics)
             done = step + 1
-            if args.profile and done - start == PROFILE_STEPS.stop:
-                jax.block_until_ready(state)  # the traced steps run on the device until here
-                jax.profiler.stop_trace()
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or done == args.steps:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
@@ -2639,6 +2647,7 @@ def train(args):
                     save_checkpoint(args.run_dir, state, meta, args.keep)
 
     # The end: the EMA weights on their own, and the final FID.
+    trace(args.steps, state)
     if jax.process_index() == 0 and list_checkpoints(args.run_dir):
         out = os.path.join(args.run_dir, "ema.safetensors")
         print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], out))
@@ -3310,6 +3319,9 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.val_every = args.val_every or args.sample_every
+    if not args.ln_scale > 0:
+        raise InputError(f"--ln-scale: the logit-normal scale must be positive, got "
+                         f"{args.ln_scale}")
     if args.val_images < 0 or args.val_images % jax.device_count():
         raise InputError(f"--val-images {args.val_images} does not split over "
                          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
