@@ -1,18 +1,21 @@
 """
 FID and Inception Score with the FID InceptionV3 network, in JAX, giving pytorch-fid's numbers.
 
-The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two Time-Scale
-Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by pytorch-fid
-(github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file directly, without
-torch, through a restricted unpickler that is also used to read DiT checkpoints and other pickles.
+The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two
+Time-Scale Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by
+pytorch-fid (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file
+directly, without torch, through a restricted unpickler that is also used to read DiT checkpoints
+and other pickles.
 
-    python fid.py stats FOLDER_OR_NPZ OUT.npz     # reference statistics (mu, sigma), pytorch-fid's format
-    python fid.py fid samples.npz ref_stats.npz   # FID-10K of DiT samples (sample_ddp.py's arr_0 layout)
+    python fid.py stats FOLDER_OR_NPZ OUT.npz     # reference statistics (mu, sigma), pytorch-fid's
+                                                    format
+    python fid.py fid samples.npz ref_stats.npz   # FID-10K of DiT samples (sample_ddp.py's arr_0
+                                                    layout)
     python fid.py is samples.npz                  # Inception Score
     python fid.py bench                           # images/s of the feature extractor
 
-From Python: `evaluate(images, ref_stats)` for uint8 (N, H, W, 3) arrays, `image_statistics` for folders
-and .npz files, `InceptionFeatures` to stream batches as they are generated.
+From Python: `evaluate(images, ref_stats)` for uint8 (N, H, W, 3) arrays, `image_statistics` for
+folders and .npz files, `InceptionFeatures` to stream batches as they are generated.
 """
 
 import argparse
@@ -88,8 +91,8 @@ class UnsafePickleError(InputError, pickle.UnpicklingError):
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler whose only way to reach Python objects is an explicit table.
 
-    A pickle can call any importable function (`os.system` included) by naming it; every such name goes
-    through `find_class`, so refusing unknown names here means nothing from the file can run.
+    A pickle can call any importable function (`os.system` included) by naming it; every such name
+    goes through `find_class`, so refusing unknown names here means nothing from the file can run.
     """
 
     def __init__(self, fileobj, allowed, persistent_load, encoding):
@@ -103,9 +106,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return self.allowed[(module, name)]
         except KeyError:
             raise UnsafePickleError(
-                f"refused to load the global '{module}.{name}': it is not on the allow list. The file may be "
-                f"malicious (a pickle can run arbitrary code through such names), or it uses a feature this "
-                f"reader does not support. Nothing from the file was run.") from None
+                f"refused to load the global '{module}.{name}': it is not on the allow list. The "
+                f"file may be malicious (a pickle can run arbitrary code through such names), or "
+                f"it uses a feature this reader does not support. Nothing from the file was "
+                f"run.") from None
 
 
 class _Recorder:
@@ -166,19 +170,21 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
 _TORCH_STORAGE_DTYPES = {
     "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
     "BFloat16Storage": np.uint16, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
 }
 
 
 class _Record:
-    """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets attributes
-    on any object it holds (through __setstate__, or the instance dict), which could rewrite the shared
-    storage types and corrupt every later load: refuse it."""
+    """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets
+    attributes on any object it holds (through __setstate__, or the instance dict), which could
+    rewrite the shared storage types and corrupt every later load: refuse it."""
     __slots__ = ()
 
     def __setstate__(self, state):
-        raise UnsafePickleError(f"the file tried to modify a {type(self).__name__.strip('_')}; a torch.save file "
-                                f"never does this, so it may be malicious. Nothing from the file was run.")
+        raise UnsafePickleError(f"the file tried to modify a {type(self).__name__.strip('_')}; a "
+                                f"torch.save file never does this, so it may be malicious. Nothing "
+                                f"from the file was run.")
 
 
 class _StorageType(_Record):
@@ -201,16 +207,19 @@ class _Storage(_Record):
 
 
 class _Tensor(_Record):
-    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by _materialize."""
+    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by
+    _materialize."""
     __slots__ = ("storage", "offset", "size", "stride")
 
     def __init__(self, storage, offset, size, stride):
-        self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+        self.storage, self.offset, self.size, self.stride = (storage, offset, tuple(size),
+                                                             tuple(stride))
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
-                       metadata=None):
-    """What torch calls to rebuild a tensor; here it only records where the tensor's elements are."""
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
+                       backward_hooks=None, metadata=None):
+    """What torch calls to rebuild a tensor; here it only records where the tensor's elements
+    are."""
     return _Tensor(storage, storage_offset, size, stride)
 
 
@@ -541,13 +550,15 @@ def _read_npy_member(path, archive, info, name):
 #################################################################################
 
 def resize_matrix(in_size, out_size):
-    """(out_size, in_size) matrix of torch's bilinear `interpolate(align_corners=False)` along one axis.
+    """(out_size, in_size) matrix of torch's bilinear `interpolate(align_corners=False)` along one
+    axis.
 
-    Output pixel i samples the input at src = (i + 0.5) * in/out - 0.5 (clamped below at 0) and mixes
-    its two neighbours linearly. There is no antialiasing: when shrinking, pixels between the sampled
-    pairs are skipped, exactly as in pytorch-fid.
+    Output pixel i samples the input at src = (i + 0.5) * in/out - 0.5 (clamped below at 0) and
+    mixes its two neighbours linearly. There is no antialiasing: when shrinking, pixels between the
+    sampled pairs are skipped, exactly as in pytorch-fid.
     """
-    # Rounded as torch's CPU kernel rounds: a float32 scale, then a fused multiply-add rounded once to float32.
+    # Rounded as torch's CPU kernel rounds: a float32 scale, then a fused multiply-add rounded once
+    # to float32.
     scale = np.float64(np.float32(in_size) / np.float32(out_size))
     src = np.maximum(((np.arange(out_size) + 0.5) * scale - 0.5).astype(np.float32), 0)
     lo = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
@@ -563,22 +574,26 @@ def resize_matrix(in_size, out_size):
 def resize_bilinear(x, height, width):
     """(B, H, W, C) -> (B, height, width, C) as torch's bilinear interpolate without antialiasing.
 
-    Bilinear resizing is separable, so it is two small matrix products, with torch's interpolation weights
-    (to float32 rounding) and fast on any device.
+    Bilinear resizing is separable, so it is two small matrix products, with torch's interpolation
+    weights (to float32 rounding) and fast on any device.
     """
     rows, cols = resize_matrix(x.shape[1], height), resize_matrix(x.shape[2], width)
     # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32.
-    x = jnp.einsum("oh,bhwc->bowc", rows, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, W, C)
-    return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)  # (B, height, width, C)
+    # (B, height, W, C)
+    x = jnp.einsum("oh,bhwc->bowc", rows, x, precision=jax.lax.Precision.HIGHEST)
+    # (B, height, width, C)
+    return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)
 
 
 class BasicConv2d(nnx.Module):
-    """Convolution without bias, BatchNorm (eps 1e-3, the TF graph's) and ReLU: torchvision's BasicConv2d."""
+    """Convolution without bias, BatchNorm (eps 1e-3, the TF graph's) and ReLU: torchvision's
+    BasicConv2d."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, *, rngs):
         kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
         ph, pw = (padding, padding) if isinstance(padding, int) else padding
-        self.conv = nnx.Conv(in_channels, out_channels, (kh, kw), stride, padding=((ph, ph), (pw, pw)),
+        self.conv = nnx.Conv(in_channels, out_channels, (kh, kw), stride,
+                             padding=((ph, ph), (pw, pw)),
                              use_bias=False, rngs=rngs)
         self.bn = nnx.BatchNorm(out_channels, use_running_average=True, epsilon=1e-3, rngs=rngs)
 
@@ -589,15 +604,17 @@ class BasicConv2d(nnx.Module):
 def avg_pool_3x3(x):
     """3x3 average pooling, stride 1, padding 1, where the padding is not counted in the average.
 
-    That is how the TF graph pools in the A, C and first E blocks (pytorch-fid's FIDInception* classes
-    pass count_include_pad=False); torchvision's InceptionV3 counts the padding and differs at borders.
+    That is how the TF graph pools in the A, C and first E blocks (pytorch-fid's FIDInception*
+    classes pass count_include_pad=False); torchvision's InceptionV3 counts the padding and differs
+    at borders.
     """
     return nnx.avg_pool(x, (3, 3), (1, 1), padding=((1, 1), (1, 1)), count_include_pad=False)
 
 
 def max_pool_3x3(x, stride, padding=0):
     """3x3 max pooling; padding (where used) never wins, as in torch's max_pool2d."""
-    return nnx.max_pool(x, (3, 3), (stride, stride), padding=((padding, padding), (padding, padding)))
+    return nnx.max_pool(x, (3, 3), (stride, stride),
+                        padding=((padding, padding), (padding, padding)))
 
 
 class InceptionA(nnx.Module):
@@ -652,7 +669,8 @@ class InceptionC(nnx.Module):
     def __call__(self, x):
         branch7x7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
         branch7x7dbl = self.branch7x7dbl_1(x)
-        for conv in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+        for conv in (self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4,
+                     self.branch7x7dbl_5):
             branch7x7dbl = conv(branch7x7dbl)
         branch_pool = self.branch_pool(avg_pool_3x3(x))
         return jnp.concatenate([self.branch1x1(x), branch7x7, branch7x7dbl, branch_pool], axis=-1)
@@ -680,8 +698,8 @@ class InceptionD(nnx.Module):
 class InceptionE(nnx.Module):
     """Mixed_7b/7c: 3x3 convolutions split into parallel 1x3 and 3x1 outputs (8x8 grid).
 
-    The TF graph pools the last branch by averaging (padding not counted) in Mixed_7b but by max pooling
-    in Mixed_7c, pytorch-fid's FIDInceptionE_1 and FIDInceptionE_2.
+    The TF graph pools the last branch by averaging (padding not counted) in Mixed_7b but by max
+    pooling in Mixed_7c, pytorch-fid's FIDInceptionE_1 and FIDInceptionE_2.
     """
 
     def __init__(self, in_channels, pool, *, rngs):
@@ -698,9 +716,11 @@ class InceptionE(nnx.Module):
 
     def __call__(self, x):
         branch3x3 = self.branch3x3_1(x)
-        branch3x3 = jnp.concatenate([self.branch3x3_2a(branch3x3), self.branch3x3_2b(branch3x3)], axis=-1)
+        branch3x3 = jnp.concatenate([self.branch3x3_2a(branch3x3), self.branch3x3_2b(branch3x3)],
+                                    axis=-1)
         branch3x3dbl = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
-        branch3x3dbl = jnp.concatenate([self.branch3x3dbl_3a(branch3x3dbl), self.branch3x3dbl_3b(branch3x3dbl)],
+        branch3x3dbl = jnp.concatenate([self.branch3x3dbl_3a(branch3x3dbl),
+                                        self.branch3x3dbl_3b(branch3x3dbl)],
                                        axis=-1)
         pooled = avg_pool_3x3(x) if self.pool == "avg" else max_pool_3x3(x, 1, padding=1)
         branch_pool = self.branch_pool(pooled)
@@ -708,11 +728,12 @@ class InceptionE(nnx.Module):
 
 
 class InceptionV3(nnx.Module):
-    """The FID InceptionV3: uint8 images (B, H, W, 3) -> (pool features (B, 2048), logits (B, 1008)).
+    """The FID InceptionV3: uint8 images (B, H, W, 3) -> (pool features (B, 2048), logits
+    (B, 1008)).
 
     Same layers and names as pytorch-fid's `fid_inception_v3()`, so its weight file maps one to one.
-    Inputs of any size are resized to 299x299 as pytorch-fid does; the 1008 logits (1000 ImageNet classes
-    plus 8 unused, as in the TF graph) serve the Inception Score.
+    Inputs of any size are resized to 299x299 as pytorch-fid does; the 1008 logits (1000 ImageNet
+    classes plus 8 unused, as in the TF graph) serve the Inception Score.
     """
 
     def __init__(self, *, rngs):
@@ -736,8 +757,9 @@ class InceptionV3(nnx.Module):
 
     def __call__(self, images):
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != jnp.uint8:
-            raise ValueError(f"InceptionV3 expects uint8 RGB images of shape (B, H, W, 3), got {images.dtype} "
-                             f"{tuple(images.shape)}; convert floats in [0, 1] with (x * 255).round().astype(uint8)")
+            raise ValueError(f"InceptionV3 expects uint8 RGB images of shape (B, H, W, 3), got "
+                             f"{images.dtype} {tuple(images.shape)}; convert floats in [0, 1] with "
+                             f"(x * 255).round().astype(uint8)")
         # Float32 products on every backend, as pytorch-fid's reference numbers were computed: XLA
         # otherwise multiplies float32 in TF32 on NVIDIA GPUs and in one bfloat16 pass on TPUs.
         with jax.default_matmul_precision("highest"):
@@ -779,9 +801,10 @@ def file_digest(path, algorithm="sha256"):
 
 
 def download(url, path, digest=None, algorithm="sha256"):
-    """Fetch url into path. The bytes go to a temporary file that takes the final name only once complete
-    and, when a published digest is given, verified: an interrupted or damaged download never passes for
-    the real file. Used for the Inception weights here and for the VAE and datasets in dit.py."""
+    """Fetch url into path. The bytes go to a temporary file that takes the final name only once
+    complete and, when a published digest is given, verified: an interrupted or damaged download
+    never passes for the real file. Used for the Inception weights here and for the VAE and datasets
+    in dit.py."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Named per host and process: hosts that share a cache folder can have equal process ids.
     tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
@@ -789,7 +812,8 @@ def download(url, path, digest=None, algorithm="sha256"):
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
             received = 0
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
+            with tqdm(total=total, unit="B", unit_scale=True,
+                      desc=f"downloading {os.path.basename(path)}") as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     hasher.update(chunk)
@@ -797,11 +821,12 @@ def download(url, path, digest=None, algorithm="sha256"):
                     received += len(chunk)
             if total is not None and received != total:  # a connection that closed early
                 raise http.client.IncompleteRead(b"", total - received)
-    except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors too
+    # URLError and socket timeouts are OSErrors too
+    except (OSError, http.client.HTTPException) as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, download it "
-                                f"elsewhere and put it at {path}") from None
+        raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
+                                f"download it elsewhere and put it at {path}") from None
     if digest is not None and hasher.hexdigest() != digest:
         os.remove(tmp)
         raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
@@ -811,8 +836,10 @@ def download(url, path, digest=None, algorithm="sha256"):
 
 
 def _convert_torch_weights(state_dict, source):
-    """pytorch-fid's state dict -> {"Mixed_5b/branch1x1/conv/kernel": array, ...} in the NNX model's layout."""
-    if not (isinstance(state_dict, dict) and all(isinstance(v, np.ndarray) for v in state_dict.values())):
+    """pytorch-fid's state dict -> {"Mixed_5b/branch1x1/conv/kernel": array, ...} in the NNX model's
+    layout."""
+    if not (isinstance(state_dict, dict)
+            and all(isinstance(v, np.ndarray) for v in state_dict.values())):
         raise InputError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
                          f"tensors). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     params = {}
@@ -831,25 +858,31 @@ def _convert_torch_weights(state_dict, source):
 
 
 def _torch_key(key):
-    """"Mixed_5b/branch1x1/bn/mean" -> "Mixed_5b.branch1x1.bn.running_mean", the inverse of the renaming above."""
+    """"Mixed_5b/branch1x1/bn/mean" -> "Mixed_5b.branch1x1.bn.running_mean", the inverse of the
+    renaming above."""
     *module, name = key.split("/")
-    name = {"kernel": "weight", "scale": "weight", "mean": "running_mean", "var": "running_var"}.get(name, name)
+    name = {"kernel": "weight", "scale": "weight", "mean": "running_mean",
+            "var": "running_var"}.get(name, name)
     return ".".join([*module, name])
 
 
 def _build_inception(params, source):
     """An InceptionV3 holding `params`, after checking that they are exactly the ones it needs."""
-    abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))  # shapes only, nothing initialised
+    # shapes only, nothing initialised
+    abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    expected = {"/".join(map(str, path)): var.get_value().shape for path, var in nnx.to_flat_state(state)}
+    expected = {"/".join(map(str, path)): var.get_value().shape
+                for path, var in nnx.to_flat_state(state)}
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
     wrong = sorted(k for k in set(expected) & set(params) if params[k].shape != expected[k])
     if missing or unexpected or wrong:
         def show(keys):  # the first few, named as in the torch file
-            return ", ".join(map(_torch_key, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            return ", ".join(map(_torch_key, keys[:3])) + (f" and {len(keys) - 3} more"
+                                                           if len(keys) > 3 else "")
         problems = [f"{label}: {show(keys)}" for label, keys in
-                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+                    (("missing", missing), ("unexpected", unexpected),
+                     ("wrong shape", wrong)) if keys]
         raise InputError(f"{source}: not pytorch-fid's FID Inception weights "
                          f"({'; '.join(problems)}). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
@@ -858,12 +891,14 @@ def _build_inception(params, source):
 
 
 def load_inception(path=None, cache_dir=None):
-    """The FID InceptionV3 with pytorch-fid's weights, read from `path` (its legacy-format .pth file).
+    """The FID InceptionV3 with pytorch-fid's weights, read from `path` (its legacy-format .pth
+    file).
 
-    Without a path the file is looked for in the cache directory ($DIT_CACHE or ~/.cache/dit-jax) and
-    downloaded there when missing. A file under the official name must have the official sha256; another
-    file (e.g. the random-weight test fixture) is accepted with a warning that its numbers are not comparable
-    with published ones. The converted parameters are cached as an .npz named by the file's hash.
+    Without a path the file is looked for in the cache directory ($DIT_CACHE or ~/.cache/dit-jax)
+    and downloaded there when missing. A file under the official name must have the official sha256;
+    another file (e.g. the random-weight test fixture) is accepted with a warning that its numbers
+    are not comparable with published ones. The converted parameters are cached as an .npz named by
+    the file's hash.
     """
     cache_dir = cache_dir or default_cache_dir()
     if path is None:
@@ -871,8 +906,9 @@ def load_inception(path=None, cache_dir=None):
         if not os.path.exists(path):
             download(FID_WEIGHTS_URL, path, FID_WEIGHTS_SHA256)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's {FID_WEIGHTS_NAME} "
-                                f"(from {FID_WEIGHTS_URL}) or leave the path out to download it")
+        raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's "
+                                f"{FID_WEIGHTS_NAME} (from {FID_WEIGHTS_URL}) or leave the path "
+                                f"out to download it")
     digest = file_digest(path)
     if digest != FID_WEIGHTS_SHA256 and os.path.basename(path) == FID_WEIGHTS_NAME:
         raise InputError(f"{path}: sha256 {digest} differs from the official "
@@ -906,9 +942,10 @@ def load_inception(path=None, cache_dir=None):
 class FeatureStats:
     """Running mean and covariance of feature vectors in float64, without keeping the features.
 
-    Batches are merged with the pairwise update of Chan, Golub & LeVeque (1979): each batch's own mean
-    and centred scatter matrix are combined with the running ones, which stays accurate where the naive
-    sum of x x^T minus N mu mu^T would cancel. The covariance is np.cov's (divided by N - 1).
+    Batches are merged with the pairwise update of Chan, Golub & LeVeque (1979): each batch's own
+    mean and centred scatter matrix are combined with the running ones, which stays accurate where
+    the naive sum of x x^T minus N mu mu^T would cancel. The covariance is np.cov's
+    (divided by N - 1).
     """
 
     def __init__(self, dim):
@@ -941,29 +978,35 @@ class FeatureStats:
                              f"images")
         dim = len(self.mean)
         if self.count <= dim:
-            warnings.warn(f"only {self.count} images for {dim}-d features: the covariance has rank at most "
-                          f"{self.count - 1} < {dim}, so it is singular and FID comes out biased upwards and not "
-                          f"comparable with others'. Use more than {dim} images (FID-10K uses 10,000)")
+            warnings.warn(f"only {self.count} images for {dim}-d features: the covariance has rank "
+                          f"at most {self.count - 1} < {dim}, so it is singular and FID comes out "
+                          f"biased upwards and not comparable with others'. Use more than {dim} "
+                          f"images (FID-10K uses 10,000)")
         return self.mean.copy(), self.scatter / (self.count - 1)
 
 
 def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     """||mu1 - mu2||^2 + Tr(sigma1 + sigma2 - 2 sqrt(sigma1 sigma2)), as pytorch-fid computes it.
 
-    The Frechet (2-Wasserstein) distance between two Gaussians (Dowson & Landau 1982). When the matrix square
-    root is not finite (a singular product), eps is added to both diagonals; a complex root whose
-    diagonal has a non-negligible imaginary part means the inputs are not valid covariances.
+    The Frechet (2-Wasserstein) distance between two Gaussians (Dowson & Landau 1982). When the
+    matrix square root is not finite (a singular product), eps is added to both diagonals; a complex
+    root whose diagonal has a non-negligible imaginary part means the inputs are not valid
+    covariances.
     """
-    mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
-    sigma1, sigma2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
-    if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (len(mu1), len(mu1)):
+    mu1, mu2 = (np.atleast_1d(np.asarray(mu1, np.float64)),
+                np.atleast_1d(np.asarray(mu2, np.float64)))
+    sigma1, sigma2 = (np.atleast_2d(np.asarray(sigma1, np.float64)),
+                      np.atleast_2d(np.asarray(sigma2, np.float64)))
+    if (mu1.shape != mu2.shape or sigma1.shape != sigma2.shape
+            or sigma1.shape != (len(mu1), len(mu1))):
         raise InputError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma "
                          f"{sigma1.shape} vs {sigma2.shape}; both must come from the same features "
                          f"(2048-d pool3 for FID)")
     diff = mu1 - mu2
     covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
-        warnings.warn(f"singular product sigma1 sigma2 (too few images?): adding {eps} to the diagonals")
+        warnings.warn(f"singular product sigma1 sigma2 (too few images?): adding {eps} to the "
+                      f"diagonals")
         offset = np.eye(len(mu1)) * eps
         covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
     if np.iscomplexobj(covmean):
@@ -978,9 +1021,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
 def inception_score(logits, splits=10):
     """(mean, std) over `splits` equal parts of exp(E_x KL(p(y|x) || p(y))) (Salimans et al. 2016).
 
-    p(y|x) is the softmax of the 1008 logits; p(y) is the mean over each part. Pass the logits without the
-    bias of the last layer (pool @ W), as the original TF code and OpenAI's evaluator compute them:
-    InceptionFeatures.result()["score_logits"].
+    p(y|x) is the softmax of the 1008 logits; p(y) is the mean over each part. Pass the logits
+    without the bias of the last layer (pool @ W), as the original TF code and OpenAI's evaluator
+    compute them: InceptionFeatures.result()["score_logits"].
     """
     logits = np.asarray(logits, np.float64)
     if len(logits) < splits:
@@ -1001,7 +1044,8 @@ def save_statistics(path, mu, sigma):
 
 
 def load_statistics(path):
-    """(mu, sigma) from a pytorch-fid .npz or an OpenAI reference batch (which keeps `arr_0` beside them)."""
+    """(mu, sigma) from a pytorch-fid .npz or an OpenAI reference batch (which keeps `arr_0` beside
+    them)."""
     stats = read_npz(path, ["mu", "sigma"])
     if len(stats) < 2:
         raise InputError(f"{path} has no `mu` and `sigma`, so it is not FID statistics; for an "
@@ -1021,8 +1065,8 @@ def load_statistics(path):
 #################################################################################
 
 def _allgather(x):
-    """Stack a numpy array from every process: (P, *x.shape). 64-bit values travel as pairs of uint32, so
-    they stay exact even though JAX (without x64) would narrow them to 32 bits."""
+    """Stack a numpy array from every process: (P, *x.shape). 64-bit values travel as pairs of
+    uint32, so they stay exact even though JAX (without x64) would narrow them to 32 bits."""
     x = np.ascontiguousarray(x)
     if jax.process_count() == 1:
         return x[None]
@@ -1032,7 +1076,8 @@ def _allgather(x):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _inception_forward(graphdef, state, images):
-    """Compiled once per (batch, image shape) and shared by every InceptionFeatures (e.g. repeated evaluations)."""
+    """Compiled once per (batch, image shape) and shared by every InceptionFeatures (e.g. repeated
+    evaluations)."""
     return nnx.merge(graphdef, state)(images)
 
 
@@ -1040,16 +1085,19 @@ class InceptionFeatures:
     """Streams uint8 images through the InceptionV3: pool3 statistics in float64 and all logits.
 
     Each call to `update` runs jit-compiled batches sharded over every device (a 1-D mesh), the last
-    batch padded and the padding dropped. Under `jax.distributed` every process passes its own images
-    and calls `update` the same number of times (it is a collective); `result` combines all processes.
+    batch padded and the padding dropped. Under `jax.distributed` every process passes its own
+    images and calls `update` the same number of times (it is a collective); `result` combines all
+    processes.
     """
 
     def __init__(self, inception, batch_size=128, progress=True):
         self.mesh = jax.make_mesh((jax.device_count(),), ("batch",))
         self.per_device = batch_size
         graphdef, state = nnx.split(inception)
-        self.state = jax.device_put(state, NamedSharding(self.mesh, P()))  # weights replicated on every device
-        self.forward = functools.partial(_inception_forward, graphdef)  # (state, images) -> (pool, logits)
+        # weights replicated on every device
+        self.state = jax.device_put(state, NamedSharding(self.mesh, P()))
+        # (state, images) -> (pool, logits)
+        self.forward = functools.partial(_inception_forward, graphdef)
         self.stats = FeatureStats(2048)
         self.logits = []  # this process's (n, 1008) blocks
         self.fc_bias = np.asarray(inception.fc.bias[...])
@@ -1057,19 +1105,23 @@ class InceptionFeatures:
         self.progress = progress and jax.process_index() == 0
 
     def _to_host(self, outputs, valid):
-        pool, logits = multihost_utils.global_array_to_host_local_array(outputs, self.mesh, P("batch"))
+        pool, logits = multihost_utils.global_array_to_host_local_array(outputs, self.mesh,
+                                                                        P("batch"))
         self.stats.update(np.asarray(pool)[:valid])
         self.logits.append(np.asarray(logits)[:valid])
 
     def update(self, images, bar=None):
-        """Add this process's images: uint8 (N, H, W, 3), N may be 0; all calls must share H and W."""
+        """Add this process's images: uint8 (N, H, W, 3), N may be 0; all calls must share H and
+        W."""
         images = np.asarray(images)
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
             raise InputError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} "
                              f"{images.shape}; convert floats in [0, 1] with "
                              f"(x * 255).round().clip(0, 255).astype(np.uint8)")
-        # Every process must run the same number of steps on the same shapes, so agree on both first.
-        sizes = _allgather(np.array([len(images), *images.shape[1:3]], np.int64))  # (P, 3): N, H, W per process
+        # Every process must run the same number of steps on the same shapes, so agree on both
+        # first.
+        # (P, 3): N, H, W per process
+        sizes = _allgather(np.array([len(images), *images.shape[1:3]], np.int64))
         shapes = {tuple(size[1:]) for size in sizes if size[0] > 0}
         if self.image_shape is not None:
             shapes.add(self.image_shape)
@@ -1081,7 +1133,8 @@ class InceptionFeatures:
             return
         self.image_shape = shapes.pop()
         local_devices = jax.local_device_count()
-        # A batch no larger than needed (small evaluations do not compute padding), a multiple of the devices.
+        # A batch no larger than needed (small evaluations do not compute padding), a multiple of
+        # the devices.
         batch = min(self.per_device, -(-most // local_devices)) * local_devices
         steps = -(-most // batch)
         pending = None
@@ -1099,10 +1152,12 @@ class InceptionFeatures:
         self._to_host(*pending)
 
     def result(self):
-        """{"mu", "sigma", "count", "logits", "score_logits"} over the images of all processes: "logits" are
-        pytorch-fid's (the last layer's output), "score_logits" the same without its bias, for the Inception Score."""
+        """{"mu", "sigma", "count", "logits", "score_logits"} over the images of all processes:
+        "logits" are pytorch-fid's (the last layer's output), "score_logits" the same without its
+        bias, for the Inception Score."""
         stats = FeatureStats(2048)
-        gathered = _allgather(np.concatenate([[self.stats.count], self.stats.mean, self.stats.scatter.ravel()]))
+        gathered = _allgather(np.concatenate([[self.stats.count], self.stats.mean,
+                                              self.stats.scatter.ravel()]))
         for row in gathered:  # (1 + D + D*D,) per process
             stats.merge(int(row[0]), row[1:2049], row[2049:].reshape(2048, 2048))
         logits = np.concatenate(self.logits) if self.logits else np.zeros((0, 1008), np.float32)
@@ -1112,16 +1167,20 @@ class InceptionFeatures:
             padded[:len(logits)] = logits
             logits = np.concatenate([rows[:n] for rows, n in zip(_allgather(padded), counts)])
         mu, sigma = stats.mu_sigma()
-        return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits, "score_logits": logits - self.fc_bias}
+        return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits,
+                "score_logits": logits - self.fc_bias}
 
 
-IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
+IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
+                    ".webp")
 
 
 class ImageFolder:
-    """The image files under a folder (recursively, sorted) as a sequence: folder[i:j] -> uint8 (n, H, W, 3).
+    """The image files under a folder (recursively, sorted) as a sequence: folder[i:j] -> uint8
+    (n, H, W, 3).
 
-    Files are decoded on a few threads (PIL releases the GIL); grayscale and RGBA become RGB as in pytorch-fid.
+    Files are decoded on a few threads (PIL releases the GIL); grayscale and RGBA become RGB as in
+    pytorch-fid.
     """
 
     def __init__(self, root):
@@ -1163,7 +1222,8 @@ class ImageFolder:
 
 
 def load_images(source):
-    """A folder of images or an .npz of uint8 images (`arr_0`, as DiT's sample_ddp.py writes) -> a sequence."""
+    """A folder of images or an .npz of uint8 images (`arr_0`, as DiT's sample_ddp.py writes) -> a
+    sequence."""
     if os.path.isdir(source):
         return ImageFolder(source)
     if not os.path.isfile(source):
@@ -1183,15 +1243,18 @@ def load_images(source):
 
 
 def image_statistics(images, inception, batch_size=128, progress=True):
-    """{"mu", "sigma", "count", "logits", "score_logits"} of a sequence of uint8 images (an array or an ImageFolder).
+    """{"mu", "sigma", "count", "logits", "score_logits"} of a sequence of uint8 images (an array or
+    an ImageFolder).
 
-    Under `jax.distributed` each process reads every process_count-th image, so together they cover it once.
+    Under `jax.distributed` each process reads every process_count-th image, so together they cover
+    it once.
     """
     rank, world = jax.process_index(), jax.process_count()
     mine = range(rank, len(images), world)
     features = InceptionFeatures(inception, batch_size, progress)
     chunk = 8 * batch_size * jax.local_device_count()  # images held in host memory at a time
-    calls = -(-len(range(0, len(images), world)) // chunk)  # the same for every process, as update needs
+    # the same for every process, as update needs
+    calls = -(-len(range(0, len(images), world)) // chunk)
     with tqdm(total=len(mine), unit="img", desc="Inception", disable=not features.progress) as bar:
         for i in range(calls):
             indices = mine[i * chunk:(i + 1) * chunk]  # empty for a process whose share is shorter
@@ -1204,16 +1267,19 @@ def image_statistics(images, inception, batch_size=128, progress=True):
 #################################################################################
 
 def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=True):
-    """FID against reference statistics, Inception Score and the statistics of uint8 images (N, H, W, 3).
+    """FID against reference statistics, Inception Score and the statistics of uint8 images
+    (N, H, W, 3).
 
     `ref_stats` is (mu, sigma) or the path of a statistics .npz; without it "fid" is None. Under
     `jax.distributed` each process passes its own images and gets the figures over all of them.
     Returns {"fid", "inception_score", "inception_score_std", "mu", "sigma", "count"}.
     """
-    if isinstance(ref_stats, (str, os.PathLike)):  # read first: a bad path fails before the long pass
+    # read first: a bad path fails before the long pass
+    if isinstance(ref_stats, (str, os.PathLike)):
         ref_stats = load_statistics(ref_stats)
     features = InceptionFeatures(inception or load_inception(), batch_size, progress)
-    with tqdm(total=len(images), unit="img", desc="Inception", disable=not features.progress) as bar:
+    with tqdm(total=len(images), unit="img", desc="Inception",
+              disable=not features.progress) as bar:
         features.update(images, bar)
     out = features.result()
     fid = frechet_distance(out["mu"], out["sigma"], *ref_stats) if ref_stats is not None else None
@@ -1247,18 +1313,19 @@ def random_weights(build, seed=0):
 
 
 def benchmark(batch_sizes, image_size=256, steps=5):
-    """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not depend on
-    them). Each step is timed from host uint8 images to features on the device."""
+    """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not
+    depend on them). Each step is timed from host uint8 images to features on the device."""
     inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
     devices = jax.device_count()
-    print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} uint8 inputs "
-          f"resized to 299x299")
+    print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} "
+          f"uint8 inputs resized to 299x299")
     for per_device in batch_sizes:
         features = InceptionFeatures(inception, per_device, progress=False)
         shape = (per_device * jax.local_device_count(), image_size, image_size, 3)  # (B, H, W, 3)
         images = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
         def step():
-            inputs = multihost_utils.host_local_array_to_global_array(images, features.mesh, P("batch"))
+            inputs = multihost_utils.host_local_array_to_global_array(images, features.mesh,
+                                                                      P("batch"))
             return features.forward(features.state, inputs)
 
         jax.block_until_ready(step())  # compile
@@ -1286,20 +1353,23 @@ def _positive_ints(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="FID and Inception Score with pytorch-fid's InceptionV3, in JAX. "
-                                     "A source is a folder of images, an .npz of uint8 images (arr_0) or, "
-                                     "where statistics suffice, an .npz of statistics (mu, sigma).")
+    parser = argparse.ArgumentParser(description="FID and Inception Score with pytorch-fid's "
+                                     "InceptionV3, in JAX. A source is a folder of images, an .npz "
+                                     "of uint8 images (arr_0) or, where statistics suffice, an "
+                                     ".npz of statistics (mu, sigma).")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="save the FID statistics of a source to OUT.npz")
     stats.add_argument("source")
     stats.add_argument("out")
-    distance = commands.add_parser("fid", help="FID between two sources (e.g. samples.npz and reference stats)")
+    distance = commands.add_parser("fid", help="FID between two sources (e.g. samples.npz and "
+                                   "reference stats)")
     distance.add_argument("source1")
     distance.add_argument("source2")
     score = commands.add_parser("is", help="Inception Score of a source of images")
     score.add_argument("source")
     for command in (stats, distance, score):
-        command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, else download)")
+        command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, "
+                             f"else download)")
         command.add_argument("--batch-size", type=positive_int, default=128,
                              help="images per device per step")
     bench = commands.add_parser("bench", help="images/s of the feature extractor")

@@ -1,23 +1,28 @@
-"""Turn the Kaggle ImageNet-100 download (or any class-folder tree) into what `dit.py --dataset imagenet100`
-trains on: Stable Diffusion VAE latents of every centre-cropped image and of its mirror image, labels, class
-names, FID reference statistics and a manifest.
+"""Turn the Kaggle ImageNet-100 download (or any class-folder tree) into what
+`dit.py --dataset imagenet100` trains on: Stable Diffusion VAE latents of every centre-cropped image
+and of its mirror image, labels, class names, FID reference statistics and a manifest.
 
-    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-256                 # train split, 256x256
-    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-256 --split val     # into ~/data/in100-256/val
-    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-px64 --pixels 64    # uint8 pixels, no VAE
+    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-256
+        # train split, 256x256
+    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-256 --split val
+        # into ~/data/in100-256/val
+    python prepare_imagenet100.py ~/data/imagenet100 ~/data/in100-px64 --pixels 64
+        # uint8 pixels, no VAE
 
 Output (in OUT, or OUT/val for --split val):
-    latents.npy     float16 (N, 2, h, w, 2C): axis 1 = [image, horizontal flip], last axis = [posterior mean,
-                    posterior std] in the raw VAE latent space, so that the trainer can draw
-                    z = (mean + std * eps) * scaling_factor afresh at every step, as DiT's train.py does
+    latents.npy     float16 (N, 2, h, w, 2C): axis 1 = [image, horizontal flip], last axis =
+                    [posterior mean, posterior std] in the raw VAE latent space, so that the trainer
+                    can draw z = (mean + std * eps) * scaling_factor afresh at every step, as DiT's
+                    train.py does
     images.npy      instead of latents.npy with --pixels R: uint8 (N, R, R, 3)
     labels.npy      int64 (N,)
-    classes.json    [{"wnid": ..., "name": ...}] in label order (sorted wnids, names from Labels.json)
+    classes.json    [{"wnid": ..., "name": ...}] in label order (sorted wnids, names from
+                    Labels.json)
     fid_stats.npz   mu, sigma of the Inception features of the cropped images (unless --no-fid)
     manifest.json   settings, counts, skipped files and why, warnings, finished chunks, timing
 
-The work is done in chunks; an interrupted run started again with the same arguments skips the chunks that
-the manifest lists as finished.
+The work is done in chunks; an interrupted run started again with the same arguments skips the
+chunks that the manifest lists as finished.
 """
 import argparse
 import concurrent.futures
@@ -46,18 +51,21 @@ EXPECTED_CLASSES = 100
 #################################################################################
 
 def find_images(src, split, classes=None):
-    """List the images of a split. The Kaggle layout keeps the training classes in train.X1 ... train.X4 and
-    validation in val.X; without train.X* folders `src` itself is taken as the class-folder tree. `classes`
-    (wnids in label order) pins the labels, so that val uses train's. Returns (classes, files, labels,
-    warnings), files relative to `src` and sorted, which fixes the order chunks are cut in."""
+    """List the images of a split. The Kaggle layout keeps the training classes in train.X1 ...
+    train.X4 and validation in val.X; without train.X* folders `src` itself is taken as the
+    class-folder tree. `classes` (wnids in label order) pins the labels, so that val uses train's.
+    Returns (classes, files, labels, warnings), files relative to `src` and sorted, which fixes the
+    order chunks are cut in."""
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source folder {src} does not exist")
     if split == "val":
         roots = ["val.X"]
         if not os.path.isdir(os.path.join(src, "val.X")):
-            raise FileNotFoundError(f"{src} has no val.X folder; --split val needs the Kaggle layout")
+            raise FileNotFoundError(f"{src} has no val.X folder; --split val needs the Kaggle "
+                                    f"layout")
     else:
-        roots = sorted(d for d in os.listdir(src) if d.startswith("train.X") and os.path.isdir(os.path.join(src, d)))
+        roots = sorted(d for d in os.listdir(src)
+                       if d.startswith("train.X") and os.path.isdir(os.path.join(src, d)))
         roots = roots or ["."]
     class_dirs = {}  # wnid -> folders holding it (the Kaggle split puts each class in one train.X*)
     for root in roots:
@@ -65,8 +73,9 @@ def find_images(src, split, classes=None):
             if os.path.isdir(os.path.join(src, root, d)) and not d.startswith("."):
                 class_dirs.setdefault(d, []).append(os.path.normpath(os.path.join(root, d)))
     if not class_dirs:
-        raise FileNotFoundError(f"no class folders under {[os.path.join(src, r) for r in roots]}; expected the Kaggle "
-                                f"layout (train.X1..train.X4, val.X) or one folder per class")
+        raise FileNotFoundError(f"no class folders under {[os.path.join(src, r) for r in roots]}; "
+                                f"expected the Kaggle layout (train.X1..train.X4, val.X) or one "
+                                f"folder per class")
     if classes is None:
         classes = sorted(class_dirs)
     elif extra := sorted(set(class_dirs) - set(classes)):
@@ -83,15 +92,16 @@ def find_images(src, split, classes=None):
         labels += [label] * len(names)
     expected = EXPECTED_IMAGES[split]
     if abs(len(files) - expected) > 0.01 * expected or len(classes) != EXPECTED_CLASSES:
-        warnings.append(f"found {len(files)} files in {len(classes)} classes; the Kaggle ImageNet-100 {split} split "
-                        f"has {expected} images in {EXPECTED_CLASSES} classes (expected if this is a custom tree, "
-                        f"otherwise the download is incomplete)")
+        warnings.append(f"found {len(files)} files in {len(classes)} classes; the Kaggle "
+                        f"ImageNet-100 {split} split has {expected} images in {EXPECTED_CLASSES} "
+                        f"classes (expected if this is a custom tree, otherwise the download is "
+                        f"incomplete)")
     return classes, files, np.asarray(labels, np.int64), warnings
 
 
 def decoded_chunks(pool, src, files, chunks, size):
-    """Yield (chunk, images (n, size, size, 3), reasons) in order, decoding the next chunk in the thread
-    pool while the caller encodes the current one."""
+    """Yield (chunk, images (n, size, size, 3), reasons) in order, decoding the next chunk in the
+    thread pool while the caller encodes the current one."""
     pending = None
     for c, (lo, hi) in chunks:
         futures = [pool.submit(load_image, os.path.join(src, f), size) for f in files[lo:hi]]
@@ -103,7 +113,8 @@ def decoded_chunks(pool, src, files, chunks, size):
 
 
 def collect(c, futures, size):
-    """Wait for one chunk's decoding: (chunk, images with zeros for broken files, {index in chunk: reason})."""
+    """Wait for one chunk's decoding: (chunk, images with zeros for broken files, {index in chunk:
+    reason})."""
     images = np.zeros((len(futures), size, size, 3), np.uint8)
     reasons = {}
     for j, fut in enumerate(futures):
@@ -120,13 +131,15 @@ def collect(c, futures, size):
 #################################################################################
 
 def sharded_apply(model, fn, batch_shape, mesh):
-    """Compile fn(model, images) now for uint8 images of batch_shape, the batch split over the mesh's devices
-    and the model replicated. The returned run(images) pads a shorter batch to that shape and returns
-    (device array, number of real rows): the padding's rows are to be dropped."""
-    replicated, data = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    """Compile fn(model, images) now for uint8 images of batch_shape, the batch split over the
+    mesh's devices and the model replicated. The returned run(images) pads a shorter batch to that
+    shape and returns (device array, number of real rows): the padding's rows are to be dropped."""
+    replicated, data = (NamedSharding(mesh, PartitionSpec()),
+                        NamedSharding(mesh, PartitionSpec("data")))
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, replicated)
-    compiled = jax.jit(lambda state, x: fn(nnx.merge(graphdef, state), x), out_shardings=data).lower(
+    compiled = jax.jit(lambda state, x: fn(nnx.merge(graphdef, state), x),
+                       out_shardings=data).lower(
         state, jax.ShapeDtypeStruct(batch_shape, np.uint8, sharding=data)).compile()
 
     def run(images):  # (n <= B, R, R, 3)
@@ -137,7 +150,8 @@ def sharded_apply(model, fn, batch_shape, mesh):
 
 
 def encode_with_flip(vae, images):
-    """uint8 (B, R, R, 3) -> float16 (B, 2, h, w, 2C): [image, horizontal flip] x [posterior mean, std]."""
+    """uint8 (B, R, R, 3) -> float16 (B, 2, h, w, 2C): [image, horizontal flip] x [posterior mean,
+    std]."""
     x = images.astype(jnp.float32) / 127.5 - 1.0  # DiT's Normalize(0.5, 0.5) after ToTensor's /255
     x = jnp.stack([x, x[:, :, ::-1]], axis=1)  # (B, 2, R, R, 3), flipped along W
     mean, logvar = vae.encode(x.reshape(-1, *x.shape[2:]))  # (2B, h, w, C) each
@@ -182,15 +196,18 @@ def open_partial(path, mode, dtype, shape):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="Kaggle ImageNet-100 folder (train.X1..X4, val.X, Labels.json) or class-folder tree")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="Kaggle ImageNet-100 folder (train.X1..X4, val.X, Labels.json) or "
+                   "class-folder tree")
     p.add_argument("out", help="output folder (the val split goes into OUT/val)")
     p.add_argument("--split", choices=["train", "val"], default="train")
     p.add_argument("--resolution", type=fid.positive_int, default=256,
                    help="centre-crop size the VAE encodes")
     p.add_argument("--pixels", type=fid.positive_int, metavar="R",
                    help="store uint8 R x R images instead of latents (no VAE)")
-    p.add_argument("--vae", default="ema", help="'ema', 'mse', a diffusers VAE folder or a weight file")
+    p.add_argument("--vae", default="ema",
+                   help="'ema', 'mse', a diffusers VAE folder or a weight file")
     p.add_argument("--batch-size", type=fid.positive_int, default=32,
                    help="global encoding batch (a multiple of the device count)")
     p.add_argument("--chunk-size", type=fid.positive_int, default=2048,
@@ -198,13 +215,15 @@ def parse_args(argv):
     p.add_argument("--workers", type=fid.positive_int, default=os.cpu_count(),
                    help="image-decoding threads")
     p.add_argument("--no-fid", action="store_true", help="skip the FID reference statistics")
-    p.add_argument("--inception", help="pytorch-fid Inception weights (default: fid.py's cache/download)")
+    p.add_argument("--inception",
+                   help="pytorch-fid Inception weights (default: fid.py's cache/download)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    src, out = os.path.abspath(args.src), os.path.join(args.out, "val") if args.split == "val" else args.out
+    src, out = (os.path.abspath(args.src),
+                os.path.join(args.out, "val") if args.split == "val" else args.out)
     size = args.pixels or args.resolution
     os.makedirs(out, exist_ok=True)
     manifest_path = os.path.join(out, "manifest.json")
@@ -214,7 +233,8 @@ def main(argv=None):
                              f"delete {out} to prepare this split again from the start")
 
     # val keeps train's labels when train was prepared first into the same OUT
-    train_classes, labels_json = os.path.join(args.out, "classes.json"), os.path.join(src, "Labels.json")
+    train_classes, labels_json = (os.path.join(args.out, "classes.json"),
+                                  os.path.join(src, "Labels.json"))
     pinned = None
     if args.split == "val" and os.path.exists(train_classes):
         valid = lambda c: isinstance(c, list) and all(
@@ -228,17 +248,20 @@ def main(argv=None):
         names = read_json(labels_json, valid, "an object of wnid: class name",
                           "fix it, or delete it to name the classes by their wnids")
     settings = {"split": args.split, "source": src, "resolution": size, "pixels": bool(args.pixels),
-                "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size, "fid": not args.no_fid,
-                "inception": None if args.no_fid else args.inception,
-                "files": len(files), "files_sha1": hashlib.sha1("\n".join(files).encode()).hexdigest()}
+                "vae": None if args.pixels else args.vae, "chunk_size": args.chunk_size,
+                "fid": not args.no_fid, "inception": None if args.no_fid else args.inception,
+                "files": len(files),
+                "files_sha1": hashlib.sha1("\n".join(files).encode()).hexdigest()}
     if manifest and manifest["settings"] != settings:
-        diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items() if manifest["settings"].get(k) != v}
+        diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items()
+                if manifest["settings"].get(k) != v}
         which = "a finished" if manifest.get("complete") else "an unfinished"
         raise fid.InputError(f"{out} holds {which} run with other settings {diff} (old, new); "
                              f"rerun with the old arguments, or use another output folder (or "
                              f"delete {out}) to start over")
     if manifest and manifest.get("complete"):
-        print(f"{out} is already complete ({manifest['counts']['images']} images); delete it to prepare again")
+        print(f"{out} is already complete ({manifest['counts']['images']} images); delete it to "
+              f"prepare again")
         return manifest
 
     vae, latent_shape = None, None
@@ -251,14 +274,17 @@ def main(argv=None):
             raise fid.InputError(f"--resolution {size} is not a multiple of the VAE's downsampling "
                                  f"factor {f}; pick one that is")
         latent_shape = [size // f, size // f, vae.cfg.latent_channels]
-        name, dtype, row_shape = "latents", np.float16, (2, size // f, size // f, 2 * vae.cfg.latent_channels)
+        name, dtype, row_shape = ("latents", np.float16,
+                                  (2, size // f, size // f, 2 * vae.cfg.latent_channels))
     inception = None if args.no_fid else fid.load_inception(args.inception)
     # Printed once every input has loaded, so that a run failing on one ends in its one error line.
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
 
-    # One row per file, broken ones included (they are found while decoding); the final copy drops those.
-    partials = {name: (dtype, row_shape)} | ({} if args.no_fid else {"inception": (np.float32, (2048,))})
+    # One row per file, broken ones included (they are found while decoding); the final copy drops
+    # those.
+    partials = {name: (dtype, row_shape)} | ({} if args.no_fid
+                                             else {"inception": (np.float32, (2048,))})
     paths = {k: os.path.join(out, f"{k}.partial.npy") for k in partials}
     if not manifest or not all(os.path.exists(p) for p in paths.values()):
         manifest = {"settings": settings, "chunks_done": {}, "seconds": 0.0}
@@ -268,7 +294,8 @@ def main(argv=None):
     manifest.update(classes=len(classes), warnings=warnings, latent_shape=latent_shape,
                     scaling_factor=vae.cfg.scaling_factor if vae else None, complete=False)
 
-    run = encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path)
+    run = encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest,
+                        manifest_path)
     write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run)
     del arrays  # close the memory maps before deleting their files
     for p in paths.values():
@@ -278,24 +305,30 @@ def main(argv=None):
 
 
 def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path):
-    """Fill the partial arrays chunk by chunk: arrays[name] with pixels or latents, arrays["inception"] with
-    pool3 features. Each finished chunk is recorded in the manifest with its unreadable files, after its rows
-    are flushed to disk; chunks already recorded are skipped."""
+    """Fill the partial arrays chunk by chunk: arrays[name] with pixels or latents,
+    arrays["inception"] with pool3 features. Each finished chunk is recorded in the manifest with
+    its unreadable files, after its rows are flushed to disk; chunks already recorded are
+    skipped."""
     devices = jax.local_devices()
     mesh = Mesh(np.array(devices), ("data",))
-    batch = -(-args.batch_size // len(devices)) * len(devices)  # a whole number of images per device
-    t0, steps = time.perf_counter(), []  # (compiled function of a uint8 batch, the array its rows go to)
+    # a whole number of images per device
+    batch = -(-args.batch_size // len(devices)) * len(devices)
+    # (compiled function of a uint8 batch, the array its rows go to)
+    t0, steps = time.perf_counter(), []
     if vae is not None:
-        steps.append((sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh), arrays[name]))
+        steps.append((sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh),
+                      arrays[name]))
     if inception is not None:
         pool3 = lambda net, images: net(images)[0]  # (B, 2048)
-        steps.append((sharded_apply(inception, pool3, (batch, size, size, 3), mesh), arrays["inception"]))
+        steps.append((sharded_apply(inception, pool3, (batch, size, size, 3), mesh),
+                      arrays["inception"]))
     compile_s = time.perf_counter() - t0
 
     todo = [(c, (c * args.chunk_size, min((c + 1) * args.chunk_size, len(files))))
-            for c in range(-(-len(files) // args.chunk_size)) if str(c) not in manifest["chunks_done"]]
-    bar = tqdm(total=len(files), initial=len(files) - sum(hi - lo for _, (lo, hi) in todo), unit="img",
-               desc=f"{args.split} {name}", smoothing=0.1)
+            for c in range(-(-len(files) // args.chunk_size))
+            if str(c) not in manifest["chunks_done"]]
+    bar = tqdm(total=len(files), initial=len(files) - sum(hi - lo for _, (lo, hi) in todo),
+               unit="img", desc=f"{args.split} {name}", smoothing=0.1)
     t0, processed, seconds_before = time.perf_counter(), 0, manifest["seconds"]
     pool = concurrent.futures.ThreadPoolExecutor(args.workers)
     try:
@@ -305,7 +338,8 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
                 part = images[b - lo:b - lo + batch]
                 if vae is None:
                     arrays[name][b:b + len(part)] = part
-                results = [(fn(part), dest) for fn, dest in steps]  # all dispatched before waiting on any
+                # all dispatched before waiting on any
+                results = [(fn(part), dest) for fn, dest in steps]
                 for (result, n), dest in results:
                     dest[b:b + n] = np.asarray(result)[:n]
                 bar.update(len(part))
@@ -322,27 +356,31 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
         pool.shutdown(cancel_futures=True)
     bar.close()
     run_s = time.perf_counter() - t0
-    return {"compile_s": round(compile_s, 2), "last_run_s": round(run_s, 2), "last_run_images": processed,
+    return {"compile_s": round(compile_s, 2), "last_run_s": round(run_s, 2),
+            "last_run_images": processed,
             "last_run_images_per_s": round(processed / run_s, 2) if processed else None,
             "devices": len(devices), "device": devices[0].device_kind}
 
 
 def write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run):
-    """Copy the rows of the readable files into `<name>.npy`, write labels, classes, the FID statistics and
-    the completed manifest."""
-    skipped = {file: why for chunk in manifest["chunks_done"].values() for file, why in chunk.items()}
+    """Copy the rows of the readable files into `<name>.npy`, write labels, classes, the FID
+    statistics and the completed manifest."""
+    skipped = {file: why for chunk in manifest["chunks_done"].values()
+               for file, why in chunk.items()}
     kept = np.flatnonzero([f not in skipped for f in files])
     if not len(kept):
         source = manifest["settings"]["source"]
         raise fid.InputError(f"none of the {len(files)} files under {source} could be read; the "
                              f"skipped files and why are in manifest.json")
     rows = arrays[name]
-    final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", rows.dtype, (len(kept), *rows.shape[1:]))
+    final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", rows.dtype,
+                                      (len(kept), *rows.shape[1:]))
     for i in range(0, len(kept), 4096):  # in blocks: all latents need not fit in memory
         final[i:i + 4096] = rows[kept[i:i + 4096]]
     final.flush()
     np.save(os.path.join(out, "labels.npy"), labels[kept])
-    write_json(os.path.join(out, "classes.json"), [{"wnid": w, "name": names.get(w, w)} for w in classes])
+    write_json(os.path.join(out, "classes.json"),
+               [{"wnid": w, "name": names.get(w, w)} for w in classes])
     if "inception" in arrays:
         stats = fid.FeatureStats(2048)
         for i in range(0, len(kept), 4096):
@@ -351,9 +389,11 @@ def write_outputs(out, name, files, labels, classes, names, arrays, manifest, ma
 
     counts = np.bincount(labels[kept], minlength=len(classes))
     manifest.update(
-        complete=True, resolution=manifest["settings"]["resolution"], vae=manifest["settings"]["vae"],
+        complete=True, resolution=manifest["settings"]["resolution"],
+        vae=manifest["settings"]["vae"],
         file=f"{name}.npy", shape=list(final.shape), dtype=final.dtype.name,
-        counts={"files": len(files), "images": len(kept), "skipped": len(skipped), "classes": len(classes),
+        counts={"files": len(files), "images": len(kept), "skipped": len(skipped),
+                "classes": len(classes),
                 "per_class_min": int(counts.min()), "per_class_max": int(counts.max())},
         skipped=[{"file": file, "reason": why} for file, why in sorted(skipped.items())],
         timing={**run, "total_s": round(manifest["seconds"], 2)})
@@ -364,13 +404,13 @@ def print_summary(args, out, manifest):
     for w in manifest["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     counts, run = manifest["counts"], manifest["timing"]
-    print(f"{counts['images']} images in {counts['classes']} classes -> {out} ({counts['skipped']} skipped, "
-          f"listed in manifest.json)")
+    print(f"{counts['images']} images in {counts['classes']} classes -> {out} ({counts['skipped']} "
+          f"skipped, listed in manifest.json)")
     if run["last_run_images"]:
         work = "decode + crop" + (" + copy" if args.pixels else " + VAE encode")
         work += "" if args.no_fid else " + Inception"
-        print(f"speed: {run['last_run_images_per_s']} images/s ({work}) on {run['devices']} x {run['device']}, "
-              f"after {run['compile_s']} s of compilation")
+        print(f"speed: {run['last_run_images_per_s']} images/s ({work}) on {run['devices']} x "
+              f"{run['device']}, after {run['compile_s']} s of compilation")
 
 
 if __name__ == "__main__":
