@@ -609,6 +609,8 @@ class GaussianDiffusion:
     respaced) chain; the network always sees the original timestep, timestep_map[t], which is what
     it was trained on. All schedule constants are float64 numpy arrays, as in the official code."""
 
+    METHODS = ("ddpm", "ddim")  # its samplers
+
     def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
         if not (isinstance(num_timesteps, int) and num_timesteps > 1):
             raise ValueError(f"num_timesteps must be an int > 1, got {num_timesteps!r}")
@@ -721,7 +723,7 @@ class GaussianDiffusion:
         DiT samples latents. For a user's step count use GaussianDiffusion(str(steps)) or
         GaussianDiffusion(f"ddim{steps}"). Returns x0 (B, H, W, C), or
         (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
-        if method not in ("ddpm", "ddim"):
+        if method not in self.METHODS:
             raise ValueError(f"unknown DDPM sampling method {method!r}; use 'ddpm' or 'ddim'")
         if method == "ddpm" and key is None:
             raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a "
@@ -765,6 +767,8 @@ class RectifiedFlow:
     on [0, 1). The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the
     velocity (B, H, W, C): build the DiT with learn_sigma=False."""
 
+    METHODS = ("euler", "heun")  # its samplers
+
     def __init__(self, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
         if timestep_sampling not in ("logit_normal", "uniform"):
             raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' "
@@ -807,7 +811,7 @@ class RectifiedFlow:
         2022, alg. 1), two calls per step, including the last one, since the velocity stays finite
         at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with
         noise) when asked."""
-        if method not in ("euler", "heun"):
+        if method not in self.METHODS:
             raise ValueError(f"unknown rectified-flow sampling method {method!r}; use 'euler' or "
                              f"'heun'")
         if not (isinstance(steps, int) and steps >= 1):
@@ -3080,6 +3084,9 @@ def sample_command(args):
             raise InputError("--gif animates a grid; it does not go with --fid")
     model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
     default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
+    if args.sampler and args.sampler not in objective.METHODS:
+        raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
+                         f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")
     cfg = model.cfg
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
@@ -3173,7 +3180,8 @@ def build_parser():
                        "no launcher (SLURM, Open MPI, TPU pod) set up")
     hosts.add_argument("--num-processes", type=fid.positive_int,
                        help="number of processes of a multi-host run")
-    hosts.add_argument("--process-id", type=int, help="this process's index in a multi-host run")
+    hosts.add_argument("--process-id", type=fid.non_negative_int,
+                       help="this process's index in a multi-host run")
     weights = argparse.ArgumentParser(add_help=False)
     weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
                          "when missing), or a local diffusers folder or weight file")
@@ -3210,7 +3218,8 @@ def build_parser():
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"),
                    help="AdamW's moment decays")
-    t.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    t.add_argument("--warmup", type=fid.non_negative_int, default=0,
+                   help="linear learning-rate warm-up steps")
     t.add_argument("--grad-clip", type=float, default=0.0,
                    help="clip the global gradient norm (0: off)")
     t.add_argument("--ema-decay", type=float, help="decay of the EMA of the weights")
@@ -3224,7 +3233,8 @@ def build_parser():
     t.add_argument("--keep", type=fid.positive_int, default=3,
                    help="checkpoints kept (the newest is what a run resumes from)")
     t.add_argument("--sample-every", type=fid.positive_int, help="steps between sample grids")
-    t.add_argument("--val-images", type=int, default=0, help="samples held out of training for "
+    t.add_argument("--val-images", type=fid.non_negative_int, default=0,
+                   help="samples held out of training for "
                    "the validation loss (0: none); the same ones in every run on the dataset")
     t.add_argument("--val-every", type=fid.positive_int, help="steps between validation losses "
                    "(default: --sample-every)")
@@ -3232,10 +3242,11 @@ def build_parser():
                    help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
     t.add_argument("--cfg-scale", type=float, default=4.0,
                    help="guidance scale of the sample grids")
-    t.add_argument("--fid-every", type=int, default=0, help="FID every N steps (0: never)")
+    t.add_argument("--fid-every", type=fid.non_negative_int, default=0,
+                   help="FID every N steps (0: never)")
     t.add_argument("--fid-samples", type=fid.positive_int, default=5000,
                    help="samples for --fid-every")
-    t.add_argument("--final-fid", type=int, default=10_000,
+    t.add_argument("--final-fid", type=fid.non_negative_int, default=10_000,
                    help="samples for the FID at the end (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
                    help="guidance scale of FID samples")
@@ -3264,7 +3275,7 @@ def build_parser():
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
     s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
-    s.add_argument("--fid", type=int, default=0,
+    s.add_argument("--fid", type=fid.non_negative_int, default=0,
                    help="draw this many samples (labels spread evenly) as .npz")
     s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
     s.add_argument("--batch-size", type=fid.positive_int, default=64,
@@ -3289,7 +3300,7 @@ def build_parser():
                    help="global batch of training, of the forward pass and of FID sampling")
     b.add_argument("--steps", type=fid.positive_int, default=10,
                    help="timed training steps and forward passes after the compiling one")
-    b.add_argument("--fid", type=int, default=0, metavar="N",
+    b.add_argument("--fid", type=fid.non_negative_int, default=0, metavar="N",
                    help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
     b.add_argument("--profile", metavar="DIR",
                    help="write jax.profiler traces of the timed steps to DIR/train, DIR/forward "
@@ -3322,7 +3333,7 @@ def main(argv=None):
     if not args.ln_scale > 0:
         raise InputError(f"--ln-scale: the logit-normal scale must be positive, got "
                          f"{args.ln_scale}")
-    if args.val_images < 0 or args.val_images % jax.device_count():
+    if args.val_images % jax.device_count():
         raise InputError(f"--val-images {args.val_images} does not split over "
                          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
     args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]

@@ -1337,15 +1337,21 @@ def benchmark(batch_sizes, image_size=256, steps=5):
         print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
 
 
-def positive_int(text):
-    """The argparse type of sizes and counts: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
+def _at_least(minimum):
+    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
+                                             f"{text!r}")
+        return value
+    return whole_number
+
+
+positive_int, non_negative_int = _at_least(1), _at_least(0)
 
 
 def _positive_ints(text):

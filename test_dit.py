@@ -2165,7 +2165,6 @@ def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume: no checkpoint in"),
     (["--profile", "trace"], "--profile traces steps 11 to 15, after step 0 .* ends at step 2"),
-    (["--val-images", "-8"], "--val-images -8 does not split"),
     (["--patch", "4", "--resolution", "6"], "--patch 4 does not divide the input size 6"),
     (["--ln-scale", "0"], "--ln-scale: the logit-normal scale must be positive"),
     (["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"], "--gif animates a grid"),
@@ -2188,6 +2187,24 @@ def test_counts_below_one_are_refused_by_the_parser(argv, capsys):
         dit.main(argv)
     assert info.value.code == 2
     assert f"argument {argv[-2]}: expected a whole number of at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--warmup", "-1"], ["--final-fid", "-10"],
+                                  ["--val-images", "-8"], ["bench", "--fid", "-1"],
+                                  ["sample", "--ckpt", "x.npz", "--fid", "-5"]])
+def test_negative_counts_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        dit.main(argv)
+    assert info.value.code == 2
+    assert f"argument {argv[-2]}: expected a whole number of at least 0" in capsys.readouterr().err
+
+
+def test_sampler_of_another_objective_is_named(straight_run):
+    """A rectified-flow model has no DDPM samplers: the choice is refused before sampling."""
+    ckpt = dit.list_checkpoints(straight_run)[-1]
+    with pytest.raises(fid.InputError, match="--sampler ddim is not a sampler of this model's "
+                                             "objective \\(rf\\); use euler or heun"):
+        dit.main(["sample", "--ckpt", ckpt, "--sampler", "ddim"])
 
 
 #################################################################################
