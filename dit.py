@@ -3084,6 +3084,9 @@ def sample_command(args):
             raise InputError("--gif animates a grid; it does not go with --fid")
     model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
     default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
+    if args.cfg_scale != 1 and model.cfg.num_classes and not model.cfg.class_dropout_prob:
+        raise InputError(f"--cfg-scale {args.cfg_scale}: {args.ckpt} was trained without label "
+                         f"dropout, so it has no null label to guide with; use --cfg-scale 1")
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
                          f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")

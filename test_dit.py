@@ -2199,12 +2199,20 @@ def test_negative_counts_are_refused_by_the_parser(argv, capsys):
     assert f"argument {argv[-2]}: expected a whole number of at least 0" in capsys.readouterr().err
 
 
-def test_sampler_of_another_objective_is_named(straight_run):
-    """A rectified-flow model has no DDPM samplers: the choice is refused before sampling."""
+def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_run):
+    """A rectified-flow model has no DDPM samplers, and a model trained without label dropout no
+    null label to guide with: both are refused before sampling."""
     ckpt = dit.list_checkpoints(straight_run)[-1]
     with pytest.raises(fid.InputError, match="--sampler ddim is not a sampler of this model's "
                                              "objective \\(rf\\); use euler or heun"):
         dit.main(["sample", "--ckpt", ckpt, "--sampler", "ddim"])
+    meta, arrays = dit.read_checkpoint(ckpt)
+    meta["model"]["class_dropout_prob"] = 0.0
+    table = "ema.y_embedder.embedding_table.embedding"
+    arrays[table] = arrays[table][:-1]  # no null row
+    np.savez(tmp_path / "no_null.npz", __meta__=np.array(json.dumps(meta)), **arrays)
+    with pytest.raises(fid.InputError, match="no null label to guide with; use --cfg-scale 1"):
+        dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--cfg-scale", "1.5"])
 
 
 #################################################################################
