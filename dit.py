@@ -272,6 +272,16 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None].astype(x.dtype) + rotated * sin[:, None].astype(x.dtype)
 
 
+def checkpoint_call(method, module, *args, policy=None):
+    """method(module, *args), recomputed in the backward pass as jax.checkpoint's `policy` says
+    (None: everything). The module is split into its structure and its arrays, so that the call is
+    a pure function of arrays: nnx.remat's updates of the module fail under jax.lax.scan, where
+    the samplers call the model."""
+    graphdef, state = nnx.split(module)
+    pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
+    return jax.checkpoint(pure, policy=policy)(state, *args)
+
+
 def attention_implementation(dtype, head_dim, device=None):
     """"cudnn" where cuDNN's fused flash attention runs: NVIDIA GPUs from Ampere on (compute
     capability 8.0), 16-bit floats, head sizes that are multiples of 8 up to 128. It never builds
@@ -305,7 +315,7 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm") or rope is not None:
             # recomputed in the backward pass, like layer_norm: kept, the float32 normalisation and
             # the rotation would keep four more (B, T, D) tensors
-            q, k = nnx.remat(Attention.queries_and_keys)(self, q, k, rope)
+            q, k = checkpoint_call(Attention.queries_and_keys, self, q, k, rope)
         # softmax(q k^T / sqrt(D/H)) v, (B, T, H, D/H)
         out = jax.nn.dot_product_attention(
             q, k, v, implementation=attention_implementation(q.dtype, D // self.num_heads))
@@ -461,11 +471,12 @@ class DiT(nnx.Module):
             if cfg.rope:
                 rope = tuple(jnp.asarray(a) for a in rope_tables(cfg.hidden_size // cfg.num_heads,
                                                                   cfg.grid))
-            block_fn = lambda blk, x, c: blk(x, c, rope)  # noqa: E731
-            if self.remat:
-                block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[self.remat])
             for block in self.blocks:
-                x = block_fn(block, x, c)
+                if self.remat:
+                    x = checkpoint_call(DiTBlock.__call__, block, x, c, rope,
+                                        policy=REMAT_POLICIES[self.remat])
+                else:
+                    x = block(x, c, rope)
             x = self.final_layer(x, c)                               # (B, T, p*p*C_out)
         return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
 
