@@ -962,9 +962,10 @@ def validation_losses(model, objective, x0, y, key):
 #                                  7. Sampling                                  #
 #################################################################################
 
-# The sampler and step count of each objective when the user names none: Euler's method at 50 steps
-# for rectified flow; for DDPM, ancestral sampling at the paper's 250 steps.
-DEFAULT_SAMPLER = {"rf": ("euler", 50), "ddpm": ("ddpm", 250)}
+# The sampler and step count of each objective when the user names none. Rectified flow: Heun at 25
+# steps, 50 network calls, which landed 2.8 times closer than Euler at 50 steps (same cost) to the
+# converged ODE solution in the README's measurement. DDPM: ancestral sampling at the paper's 250.
+DEFAULT_SAMPLER = {"rf": ("heun", 25), "ddpm": ("ddpm", 250)}
 
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
@@ -3253,7 +3254,8 @@ def build_parser():
     t.add_argument("--val-every", type=fid.positive_int, help="steps between validation losses "
                    "(default: --sample-every)")
     t.add_argument("--sample-steps", type=fid.positive_int,
-                   help="sampling steps of the grids and FID (rf: 50, ddpm: 250)")
+                   help="sampling steps of the grids and FID (default: rf "
+                   f"{DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})")
     t.add_argument("--cfg-scale", type=float, default=4.0,
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=fid.non_negative_int, default=0,
@@ -3277,9 +3279,10 @@ def build_parser():
                    help="training checkpoint .npz, exported .safetensors or official .pt")
     s.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale (1: none)")
-    s.add_argument("--steps", type=fid.positive_int, help="sampling steps (rf: 50, ddpm: 250)")
+    s.add_argument("--steps", type=fid.positive_int, help="sampling steps (default: rf "
+                   f"{DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})")
     s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"],
-                   help="rf: euler (default) or heun; ddpm: ddpm (default) or ddim")
+                   help="rf: heun (default) or euler; ddpm: ddpm (default) or ddim")
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
                    help="guide all channels, or the first 3 as the official FID figures were "
                    "computed")
