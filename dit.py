@@ -736,7 +736,8 @@ class GaussianDiffusion:
         GaussianDiffusion(f"ddim{steps}"). Returns x0 (B, H, W, C), or
         (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
         if method not in self.METHODS:
-            raise ValueError(f"unknown DDPM sampling method {method!r}; use 'ddpm' or 'ddim'")
+            raise ValueError(f"unknown DDPM sampling method {method!r}; use "
+                             f"{' or '.join(map(repr, self.METHODS))}")
         if method == "ddpm" and key is None:
             raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a "
                              "PRNG key")
@@ -824,8 +825,8 @@ class RectifiedFlow:
         at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with
         noise) when asked."""
         if method not in self.METHODS:
-            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use 'euler' or "
-                             f"'heun'")
+            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use "
+                             f"{' or '.join(map(repr, self.METHODS))}")
         if not (isinstance(steps, int) and steps >= 1):
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         times = jnp.linspace(1.0, 0.0, steps + 1)
@@ -2370,6 +2371,7 @@ class StepTrace:
             else:
                 jax.profiler.stop_trace()
 
+
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
@@ -3189,6 +3191,7 @@ def model_options(size=None, patch=None):
 
 
 def build_parser():
+    steps_default = f"(default: rf {DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})"
     # Options of the commands that load weights and may run on several hosts.
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
@@ -3254,8 +3257,7 @@ def build_parser():
     t.add_argument("--val-every", type=fid.positive_int, help="steps between validation losses "
                    "(default: --sample-every)")
     t.add_argument("--sample-steps", type=fid.positive_int,
-                   help="sampling steps of the grids and FID (default: rf "
-                   f"{DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})")
+                   help=f"sampling steps of the grids and FID {steps_default}")
     t.add_argument("--cfg-scale", type=float, default=4.0,
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=fid.non_negative_int, default=0,
@@ -3279,9 +3281,8 @@ def build_parser():
                    help="training checkpoint .npz, exported .safetensors or official .pt")
     s.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale (1: none)")
-    s.add_argument("--steps", type=fid.positive_int, help="sampling steps (default: rf "
-                   f"{DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})")
-    s.add_argument("--sampler", choices=["euler", "heun", "ddpm", "ddim"],
+    s.add_argument("--steps", type=fid.positive_int, help=f"sampling steps {steps_default}")
+    s.add_argument("--sampler", choices=[*RectifiedFlow.METHODS, *GaussianDiffusion.METHODS],
                    help="rf: heun (default) or euler; ddpm: ddpm (default) or ddim")
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
                    help="guide all channels, or the first 3 as the official FID figures were "

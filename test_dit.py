@@ -1946,7 +1946,7 @@ def test_two_hosts_equal_one(tmp_path, folder_data, straight_run):
 
 
 def losses(run_dir):
-    return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [r["loss"] for r in records(run_dir) if "loss" in r]
 
 
 def executions(trace_dir, function):
