@@ -30,22 +30,31 @@ Run `python dit.py --help`, or from a notebook `import dit; dit.main(["--size", 
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
 import gzip
+import hashlib
+import http.client
+import io
 import itertools
 import json
 import math
 import os
 import pickle
+import pickletools
 import re
 import reprlib
+import socket
 import struct
 import sys
 import tarfile
 import time
+import types
+import urllib.request
 import warnings
+import zipfile
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -58,10 +67,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
-import fid
-from fid import InputError, load_torch, safe_unpickle
+# Run as a script or pasted into a notebook cell, this code registers itself as `dit`, so that
+# fid.py's `import dit` finds it rather than loading a second copy (with a second InputError).
+if __name__ == "__main__":
+    sys.modules.setdefault("dit", sys.modules["__main__"])
+
 
 #################################################################################
 #                                                                               #
@@ -1106,7 +1118,7 @@ def infer_dit_config(state_dict):
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
     or a checkpoint of the official train.py, whose EMA weights are taken). torch is not needed: the
-    file is read by fid.load_torch, a restricted unpickler that refuses anything but tensors.
+    file is read by load_torch, a restricted unpickler that refuses anything but tensors.
 
     The configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go
     to DiT.
@@ -1133,85 +1145,6 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
         raise InputError(f"{path}: pos_embed is not the 2-D sin-cos table of a "
                          f"{cfg.grid}x{cfg.grid} grid")
     return model
-
-
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-                       "U8": np.uint8, "BOOL": np.bool_}
-
-
-def read_safetensors(path):
-    """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
-    mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
-    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32.
-
-    Every tensor is a copy of its bytes, so tensors that share bytes could add up to any multiple
-    of the file: like every claim of the header, their spans are checked before anything is made.
-    """
-    def bad(problem):
-        return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
-                          f"downloaded, the download may be incomplete; delete it and fetch it "
-                          f"again.")
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise bad(f"only {len(blob)} bytes")
-    n = int.from_bytes(blob[:8], "little")
-    if n > len(blob) - 8:
-        raise bad(f"the header claims {n} bytes but the file has {len(blob) - 8} after the length "
-                  f"field")
-    try:
-        header = json.loads(blob[8:8 + n])
-    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
-        raise bad(f"the header is not JSON ({type(e).__name__})") from None
-    if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise bad("__metadata__ is not an object of strings")
-    data = memoryview(blob)[8 + n:]
-    spans = []
-    for name, info in header.items():
-        try:
-            kind, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            dtype = np.dtype(_SAFETENSORS_DTYPES[kind]).newbyteorder("<")
-        except (KeyError, TypeError, ValueError) as e:
-            raise bad(f"entry {name!r} is malformed or has an unsupported dtype ({e!r})") from None
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-                and type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
-            raise bad(f"tensor {name!r} has shape {shape} and spans bytes {begin}..{end}, but the "
-                      f"data has {len(data)} bytes")
-        if end - begin != math.prod(shape) * dtype.itemsize:  # Python ints, which cannot overflow
-            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {shape} of {kind} "
-                      f"needs")
-        spans.append((begin, end, name, kind, dtype, shape))
-    spans.sort()
-    for (_, end, first, *_), (begin, _, second, *_) in zip(spans, spans[1:]):
-        if begin < end:
-            raise bad(f"tensors {first!r} and {second!r} share bytes {begin}..{end}")
-    tensors = {}
-    for begin, end, name, kind, dtype, shape in spans:
-        arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-        if kind == "BF16":  # bfloat16 is the top half of a float32
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
-    return tensors, metadata
-
-
-def write_safetensors(f, tensors, metadata):
-    """Write float32 `tensors` and string `metadata` to the open file f in the .safetensors format
-    that read_safetensors reads."""
-    header, offset = {"__metadata__": metadata}, 0
-    for name, t in tensors.items():
-        nbytes = 4 * int(np.prod(np.shape(t)))
-        header[name] = {"dtype": "F32", "shape": list(np.shape(t)),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
-    f.write(len(raw).to_bytes(8, "little") + raw)
-    for t in tensors.values():
-        f.write(np.ascontiguousarray(t, "<f4").tobytes())
 
 
 #################################################################################
@@ -1554,14 +1487,14 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
     when present, else the SD VAE's configuration)."""
     if source in ("ema", "mse"):
-        cache_dir = cache_dir or fid.default_cache_dir()
+        cache_dir = cache_dir or default_cache_dir()
         folder = os.path.join(cache_dir, f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
             dest, url = os.path.join(folder, fname), SD_VAE_URL.format(source, fname)
             if not os.path.exists(dest):
                 try:
-                    fid.download(url, dest)
-                except OSError as e:  # fid.download's FileNotFoundError, with the cause
+                    download(url, dest)
+                except OSError as e:  # download's FileNotFoundError, with the cause
                     raise InputError(
                         f"cannot download {url} ({e}). Download config.json and "
                         f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by "
@@ -1672,7 +1605,7 @@ def hold_out(n, k):
 
 def default_data_dir(name: str) -> str:
     """Where a dataset lives (and is downloaded to) unless data_dir says otherwise."""
-    return os.path.join(fid.default_cache_dir(), "datasets", name)
+    return os.path.join(default_cache_dir(), "datasets", name)
 
 
 def _check_resolution(name: str, native: int, resolution: int | None):
@@ -1693,53 +1626,6 @@ _MNIST_MD5 = {  # published with the mirror (torchvision's datasets/mnist.py lis
     "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
     "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
 }
-# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the
-# page)
-_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order.
-
-    The elements are read only once the header's size is checked against the file (for gzip,
-    against the most that deflate can expand it to), and no further: a small file cannot make it
-    allocate, or decompress, more than it could hold."""
-    fix = "delete it and download it again"
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        gzipped = f.read(2) == b"\x1f\x8b"  # the gzip magic, whatever the file is called
-        f.seek(0)
-        stream = gzip.GzipFile(fileobj=f) if gzipped else f
-        try:
-            head = stream.read(4)
-            if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
-                raise InputError(f"{path} is not an IDX file: it starts with bytes {head.hex()}, "
-                                 f"an IDX file with 00 00, a type code and the number of "
-                                 f"dimensions; {fix}")
-            dims = stream.read(4 * head[3])
-            if len(dims) < 4 * head[3]:
-                raise InputError(f"{path}: the IDX header is cut short; {fix}")
-            shape = struct.unpack(f">{head[3]}I", dims)
-            dtype = np.dtype(_IDX_DTYPES[head[2]])
-            nbytes = math.prod(shape) * dtype.itemsize
-            if nbytes > (fid._DEFLATE_MAX_RATIO if gzipped else 1) * size:
-                raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes), "
-                                 f"more than the file can hold ({size} bytes); {fix}")
-            # In pieces: a single read would allocate all that the header claims, at once.
-            pieces, left = [], nbytes + 1  # one byte more tells a file that goes on
-            while left and (piece := stream.read(min(left, 1 << 20))):
-                pieces.append(piece)
-                left -= len(piece)
-            data = b"".join(pieces)
-        except (OSError, EOFError, zlib.error) as e:
-            raise InputError(f"{path}: damaged gzip data ({e}); {fix}") from None
-    if len(data) != nbytes:
-        raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes of data) but "
-                         f"the file holds {'more' if len(data) > nbytes else len(data)}; it is "
-                         f"truncated or damaged, {fix}")
-    return np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape).astype(
-        dtype.newbyteorder("="))
 
 
 def _find_idx(data_dir: str, stem: str) -> str | None:
@@ -1762,7 +1648,7 @@ def _load_mnist(data_dir: str) -> Dataset:
             images, labels = test_images, test_labels
         else:
             for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-                fid.download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name],
+                download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name],
                              "md5")
             images = os.path.join(data_dir, "train-images-idx3-ubyte.gz")
             labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
@@ -1786,60 +1672,6 @@ def _load_mnist(data_dir: str) -> Dataset:
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
-_CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
-_ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
-
-
-def _empty_array(cls, shape, dtype):
-    """numpy's _reconstruct as the pickle of an array calls it: an empty array, which the pickle
-    then fills (ndarray.__setstate__) from bytes that it holds. Any other shape, or a call of
-    numpy.ndarray itself, would allocate whatever a few bytes of pickle ask for."""
-    if cls is not _ARRAY_CLASS or shape != (0,):
-        raise pickle.UnpicklingError(f"an array made as {reprlib.repr(shape)}, which numpy's "
-                                     f"pickles never do")
-    return np.empty(0).__reduce__()[0](np.ndarray, (0,), dtype)
-
-
-# The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
-# globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
-_CIFAR_PICKLE_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
-    ("numpy", "ndarray"): _ARRAY_CLASS,
-    ("numpy", "dtype"): np.dtype,
-}
-
-
-class _CappedGzip(gzip.GzipFile):
-    """A gzip file that refuses to read past `limit` uncompressed bytes. tarfile allocates what a
-    header claims before reading it, and a few kilobytes of gzip can expand to gigabytes: with
-    this, no archive costs more than `limit`."""
-
-    def __init__(self, path, limit):
-        super().__init__(path, "rb")
-        self.limit = limit
-
-    def read(self, size=-1):
-        if size < 0 or self.tell() + size > self.limit:
-            raise InputError(f"{self.name} unpacks to more than {self.limit} bytes, more than "
-                             f"CIFAR-10 holds; it is damaged, delete it and download it again")
-        return super().read(size)
-
-
-def _unpickle_cifar(f, where: str) -> dict:
-    try:
-        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
-        # bytes
-        obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
-    except fid.UnsafePickleError as e:
-        raise fid.UnsafePickleError(f"{where}: {e}") from None
-    # What the few callables allowed raise on arguments that are not numpy's
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
-            IndexError) as e:
-        raise InputError(f"{where} is not a readable CIFAR-10 batch ({type(e).__name__}: {e}); "
-                         f"delete it and download CIFAR-10 again") from None
-    if not isinstance(obj, dict):
-        raise InputError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
-    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
 def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
@@ -1859,7 +1691,7 @@ def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
             return folder, found
     archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
     if not os.path.exists(archive):
-        fid.download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
+        download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
     found = {}
     try:
         with (_CappedGzip(archive, _CIFAR_MAX_BYTES) as gz,
@@ -1910,6 +1742,9 @@ def _load_cifar10(data_dir: str) -> Dataset:
 #                                 Image folder                                  #
 #################################################################################
 
+IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
+                    ".webp")
+
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
     with a BOX filter while the short side is at least twice the target (cheap and alias-free),
@@ -1933,7 +1768,7 @@ def center_crop_arr(pil_image, image_size):
 
 
 def _is_image(path: str) -> bool:
-    return os.path.isfile(path) and path.lower().endswith(fid.IMAGE_EXTENSIONS)
+    return os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS)
 
 
 def load_image(path, size=None):
@@ -1976,7 +1811,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     else:
         files, labels = loose, None
     if not files:
-        raise InputError(f"{data_dir} holds no images ({', '.join(fid.IMAGE_EXTENSIONS)}), neither "
+        raise InputError(f"{data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}), neither "
                          f"directly nor in class sub-folders")
 
     x, kept, broken = None, [], []
@@ -2231,19 +2066,6 @@ def write_atomically(path, write):
         os.close(dir_fd)
 
 
-def read_json(path, valid, expected, fix):
-    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
-    and saying `fix`, rather than later as a KeyError."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
-        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
-    if not valid(obj):
-        raise InputError(f"{path} is not {expected}; {fix}")
-    return obj
-
-
 def save_checkpoint(run_dir, state, meta, keep):
     """Save the whole training state as checkpoints/step_XXXXXXX.npz and keep the newest `keep`."""
     # every process joins the gather; process 0 alone writes
@@ -2271,11 +2093,11 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path):
-    """(metadata, arrays) of a checkpoint, read by fid.read_npz: no pickle, and no size that the
+    """(metadata, arrays) of a checkpoint, read by read_npz: no pickle, and no size that the
     file claims is believed before it is checked against the file."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
-        arrays = fid.read_npz(path)
+        arrays = read_npz(path)
         meta = json.loads(str(arrays.pop("__meta__")))
     except InputError as e:
         raise InputError(f"{path} is not a readable DiT checkpoint "
@@ -2878,12 +2700,25 @@ def describe_scores(result, n):
             f"{'n/a' if score is None else f'{score:.2f}'}")
 
 
+def fid_module():
+    """fid.py, which holds the Inception network of FID: the file beside this one, or its text run
+    in a cell of the same notebook."""
+    try:
+        import fid
+    except ModuleNotFoundError as e:
+        if e.name != "fid":
+            raise
+        raise InputError("FID needs fid.py, which holds the Inception network: put it beside "
+                         "dit.py, or paste its text into a notebook cell and run it") from None
+    return fid
+
+
 def evaluate_samples(images, ref, inception):
     """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, with the
     network that fid.load_inception built. Every process holds all the samples; each feeds its own
     share and fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
-    return fid.evaluate(share, ref_stats=ref, inception=inception)
+    return fid_module().evaluate(share, ref_stats=ref, inception=inception)
 
 
 class Evaluator:
@@ -2945,7 +2780,7 @@ class Evaluator:
             return
         images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
                              self.num_classes, self.args.seed)
-        self.inception = self.inception or fid.load_inception(self.args.inception)
+        self.inception = self.inception or fid_module().load_inception(self.args.inception)
         log.scores(step, n, evaluate_samples(images, self.ref, self.inception))
 
 
@@ -2958,6 +2793,24 @@ class Evaluator:
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12,
               "T4": 65e12, "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12,
               "TPU v3": 123e12, "TPU v2": 45e12}
+
+
+def random_weights(build, seed=0):
+    """The module that `build` makes, with random values drawn on the host rather than by its
+    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a
+    minute to compile the initialisers of the InceptionV3 or of the SD VAE on a 2-core CPU. Arrays
+    of two or more dimensions (kernels) are normal with variance 1 / fan-in, the product of all but
+    their last dimension; vectors (biases, norm scales, BatchNorm statistics) are ones."""
+    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):  # jax.ShapeDtypeStruct -> array
+        if len(leaf.shape) < 2:
+            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
+        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
+        return jnp.asarray(kernel, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(draw, state))
 
 
 def dit_flops(cfg):
@@ -3058,9 +2911,9 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
     a matrix square root on the host that does not depend on N, is left out. Returns the seconds
     of each phase and their total."""
     vae_cfg = VAEConfig()
-    vae = fid.random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
+    vae = random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
                                                    rngs=nnx.Rngs(0)))
-    inception = fid.random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
+    inception = random_weights(lambda: fid_module().InceptionV3(rngs=nnx.Rngs(0)))
     method, steps = DEFAULT_SAMPLER[args.objective]
     sampler = Sampler(graphdef, make_objective(args.objective), mesh, steps=steps, method=method,
                       cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
@@ -3128,7 +2981,7 @@ def sample_command(args):
             write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
             print(f"{len(images)} samples -> {out}")
         if args.ref:
-            result = evaluate_samples(images, args.ref, fid.load_inception(args.inception))
+            result = evaluate_samples(images, args.ref, fid_module().load_inception(args.inception))
             print(describe_scores(result, args.fid))
         return
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()
@@ -3196,9 +3049,9 @@ def build_parser():
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
                        "no launcher (SLURM, Open MPI, TPU pod) set up")
-    hosts.add_argument("--num-processes", type=fid.positive_int,
+    hosts.add_argument("--num-processes", type=positive_int,
                        help="number of processes of a multi-host run")
-    hosts.add_argument("--process-id", type=fid.non_negative_int,
+    hosts.add_argument("--process-id", type=non_negative_int,
                        help="this process's index in a multi-host run")
     weights = argparse.ArgumentParser(add_help=False)
     weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
@@ -3221,7 +3074,7 @@ def build_parser():
                    help="what to train on; its recipe (below) gives the defaults")
     t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for "
                    "mnist and cifar10)")
-    t.add_argument("--resolution", type=fid.positive_int,
+    t.add_argument("--resolution", type=positive_int,
                    help="centre-crop size for --dataset folder")
     t.add_argument("--timestep-sampling", default="logit_normal",
                    choices=["logit_normal", "uniform"],
@@ -3230,13 +3083,13 @@ def build_parser():
                    help="mean of the logit-normal timestep distribution")
     t.add_argument("--ln-scale", type=float, default=1.0,
                    help="scale of the logit-normal timestep distribution")
-    t.add_argument("--batch-size", type=fid.positive_int,
+    t.add_argument("--batch-size", type=positive_int,
                    help="global batch over all devices and hosts")
-    t.add_argument("--steps", type=fid.positive_int, help="training steps")
+    t.add_argument("--steps", type=positive_int, help="training steps")
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"),
                    help="AdamW's moment decays")
-    t.add_argument("--warmup", type=fid.non_negative_int, default=0,
+    t.add_argument("--warmup", type=non_negative_int, default=0,
                    help="linear learning-rate warm-up steps")
     t.add_argument("--grad-clip", type=float, default=0.0,
                    help="clip the global gradient norm (0: off)")
@@ -3245,26 +3098,26 @@ def build_parser():
                    "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
     t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "
                    "file; without a file, from the newest in --run-dir, which must have one")
-    t.add_argument("--log-every", type=fid.positive_int,
+    t.add_argument("--log-every", type=positive_int,
                    help="steps between records in metrics.jsonl")
-    t.add_argument("--ckpt-every", type=fid.positive_int, help="steps between checkpoints")
-    t.add_argument("--keep", type=fid.positive_int, default=3,
+    t.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
+    t.add_argument("--keep", type=positive_int, default=3,
                    help="checkpoints kept (the newest is what a run resumes from)")
-    t.add_argument("--sample-every", type=fid.positive_int, help="steps between sample grids")
-    t.add_argument("--val-images", type=fid.non_negative_int, default=0,
+    t.add_argument("--sample-every", type=positive_int, help="steps between sample grids")
+    t.add_argument("--val-images", type=non_negative_int, default=0,
                    help="samples held out of training for "
                    "the validation loss (0: none); the same ones in every run on the dataset")
-    t.add_argument("--val-every", type=fid.positive_int, help="steps between validation losses "
+    t.add_argument("--val-every", type=positive_int, help="steps between validation losses "
                    "(default: --sample-every)")
-    t.add_argument("--sample-steps", type=fid.positive_int,
+    t.add_argument("--sample-steps", type=positive_int,
                    help=f"sampling steps of the grids and FID {steps_default}")
     t.add_argument("--cfg-scale", type=float, default=4.0,
                    help="guidance scale of the sample grids")
-    t.add_argument("--fid-every", type=fid.non_negative_int, default=0,
+    t.add_argument("--fid-every", type=non_negative_int, default=0,
                    help="FID every N steps (0: never)")
-    t.add_argument("--fid-samples", type=fid.positive_int, default=5000,
+    t.add_argument("--fid-samples", type=positive_int, default=5000,
                    help="samples for --fid-every")
-    t.add_argument("--final-fid", type=fid.non_negative_int, default=10_000,
+    t.add_argument("--final-fid", type=non_negative_int, default=10_000,
                    help="samples for the FID at the end (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
                    help="guidance scale of FID samples")
@@ -3281,7 +3134,7 @@ def build_parser():
                    help="training checkpoint .npz, exported .safetensors or official .pt")
     s.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale (1: none)")
-    s.add_argument("--steps", type=fid.positive_int, help=f"sampling steps {steps_default}")
+    s.add_argument("--steps", type=positive_int, help=f"sampling steps {steps_default}")
     s.add_argument("--sampler", choices=[*RectifiedFlow.METHODS, *GaussianDiffusion.METHODS],
                    help="rf: heun (default) or euler; ddpm: ddpm (default) or ddim")
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
@@ -3289,14 +3142,14 @@ def build_parser():
                    "computed")
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
                    help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale")
-    s.add_argument("--n", type=fid.positive_int, default=16, help="images in the grid")
+    s.add_argument("--n", type=positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
     s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
-    s.add_argument("--fid", type=fid.non_negative_int, default=0,
+    s.add_argument("--fid", type=non_negative_int, default=0,
                    help="draw this many samples (labels spread evenly) as .npz")
     s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
-    s.add_argument("--batch-size", type=fid.positive_int, default=64,
+    s.add_argument("--batch-size", type=positive_int, default=64,
                    help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
     s.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
@@ -3310,15 +3163,15 @@ def build_parser():
     b = sub.add_parser("bench", parents=[model_options("S", 2)],
                        help="speed with random weights: training and forward images/s, ms/step, "
                        "memory, MFU; FID-N end to end")
-    b.add_argument("--image-size", type=fid.positive_int, default=32,
+    b.add_argument("--image-size", type=positive_int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
-    b.add_argument("--channels", type=fid.positive_int, default=4,
+    b.add_argument("--channels", type=positive_int, default=4,
                    help="input channels (latents: 4)")
-    b.add_argument("--batch-size", type=fid.positive_int, default=256,
+    b.add_argument("--batch-size", type=positive_int, default=256,
                    help="global batch of training, of the forward pass and of FID sampling")
-    b.add_argument("--steps", type=fid.positive_int, default=10,
+    b.add_argument("--steps", type=positive_int, default=10,
                    help="timed training steps and forward passes after the compiling one")
-    b.add_argument("--fid", type=fid.non_negative_int, default=0, metavar="N",
+    b.add_argument("--fid", type=non_negative_int, default=0, metavar="N",
                    help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
     b.add_argument("--profile", metavar="DIR",
                    help="write jax.profiler traces of the timed steps to DIR/train, DIR/forward "
@@ -3360,6 +3213,778 @@ def main(argv=None):
     return train(args)
 
 
+#################################################################################
+#                                                                               #
+#                          PART III: FILES FROM OUTSIDE                         #
+#                                                                               #
+#################################################################################
+# Every byte that comes from a file a user gave or downloaded is read here, by readers that check
+# each claim of the file (a length, a shape, an offset) against what is really there before
+# allocating anything, and that run no code from it. A file that fails a check raises InputError,
+# which names the file and says what to do; the command lines print it as one line (run_cli). The
+# harness above calls each reader in one line.
+
+#################################################################################
+#                          16. Errors the user can fix                          #
+#################################################################################
+
+class InputError(ValueError):
+    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
+
+    The message names it and says what to do. The command lines (run_cli) print that message
+    alone, on one line and without a traceback; any other exception is a bug and keeps its
+    traceback. A ValueError, so that code catching bad values catches these too.
+    """
+
+
+def run_cli(main, argv=None):
+    """Run a command line's `main(argv)`. A failure on the user's input, an InputError or an
+    OSError (a missing file, a full disk), ends the process with status 1 and one line on stderr,
+    `error: <message>`."""
+    try:
+        return main(argv)
+    except (InputError, OSError) as e:
+        if isinstance(e, OSError) and e.filename is not None and e.strerror:
+            message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
+        else:
+            message = str(e)
+        # A message can quote another library's error text, which may span lines.
+        raise SystemExit("error: " + " ".join(message.splitlines())) from None
+
+
+def _at_least(minimum):
+    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
+                                             f"{text!r}")
+        return value
+    return whole_number
+
+
+positive_int, non_negative_int = _at_least(1), _at_least(0)
+
+
+#################################################################################
+#                  17. Pickles and PyTorch files, without torch                 #
+#################################################################################
+
+class UnsafePickleError(InputError, pickle.UnpicklingError):
+    """A pickle asked for a global (class or function) that is not on the allow list."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler whose only way to reach Python objects is an explicit table.
+
+    A pickle can call any importable function (`os.system` included) by naming it; every such name
+    goes through `find_class`, so refusing unknown names here means nothing from the file can run.
+    """
+
+    def __init__(self, fileobj, allowed, persistent_load, encoding):
+        super().__init__(fileobj, encoding=encoding)
+        self.allowed = allowed
+        if persistent_load is not None:
+            self.persistent_load = persistent_load
+
+    def find_class(self, module, name):
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"refused to load the global '{module}.{name}': it is not on the allow list. The "
+                f"file may be malicious (a pickle can run arbitrary code through such names), or "
+                f"it uses a feature this reader does not support. Nothing from the file was "
+                f"run.") from None
+
+
+class _Recorder:
+    """A file as pickletools.genops reads it, keeping what was read. Reads go in pieces of at most
+    1 MiB, so that a count in a pickle larger than its data allocates no more than the data."""
+
+    def __init__(self, f):
+        self.f, self.parts = f, []
+
+    def read(self, n):
+        pieces = []
+        while n > 0 and (piece := self.f.read(min(n, 1 << 20))):
+            pieces.append(piece)
+            n -= len(piece)
+        self.parts.append(b"".join(pieces))
+        return self.parts[-1]
+
+    def readline(self):
+        self.parts.append(self.f.readline())
+        return self.parts[-1]
+
+
+def _read_pickle(fileobj):
+    """The bytes of the next pickle in `fileobj`, up to its STOP, after checking its opcodes.
+
+    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
+    and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
+    `LONG_BINPUT 2**30` alone takes 16 GiB. Here every count is read against the data that is
+    really there, and a memo index may not exceed the opcodes before it (a pickler numbers its
+    entries in order), so that no pickle makes the unpickler allocate much more than its own size.
+    """
+    recorder = _Recorder(fileobj)
+    try:
+        for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > seen:
+                raise pickle.UnpicklingError(f"memo index {arg} after only {seen} opcodes: the "
+                                             f"pickle is damaged or crafted")
+    except ValueError as e:  # genops' word for truncated or unknown data
+        raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
+    return b"".join(recorder.parts)
+
+
+def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
+    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
+    `allowed[(module, name)]`.
+
+    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses
+    them for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes"
+    or "latin1". The pickle is read and checked first (_read_pickle), so that it cannot make the
+    unpickler allocate more memory than it holds; a damaged one raises pickle.UnpicklingError.
+    """
+    raw = _read_pickle(fileobj)
+    return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
+
+
+# Storage classes as torch names them in a pickle -> element type of their raw bytes.
+# bfloat16 has no numpy type; it is read as uint16 and widened to float32 (exact) in _storage_array.
+_TORCH_STORAGE_DTYPES = {
+    "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
+    "BFloat16Storage": np.uint16, "LongStorage": np.int64, "IntStorage": np.int32,
+    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
+}
+
+
+class _Record:
+    """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets
+    attributes on any object it holds (through __setstate__, or the instance dict), which could
+    rewrite the shared storage types and corrupt every later load: refuse it."""
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise UnsafePickleError(f"the file tried to modify a {type(self).__name__.strip('_')}; a "
+                                f"torch.save file never does this, so it may be malicious. Nothing "
+                                f"from the file was run.")
+
+
+class _StorageType(_Record):
+    """Stand-in for a `torch.*Storage` class: only carries the element type."""
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name):
+        self.name = name
+        self.dtype = np.dtype(_TORCH_STORAGE_DTYPES[name])
+
+
+class _Storage(_Record):
+    """A tensor storage named in the pickle; its bytes are attached once they have been read."""
+    __slots__ = ("storage_type", "numel", "data")
+
+    def __init__(self, storage_type, numel):
+        self.storage_type = storage_type
+        self.numel = numel
+        self.data = None  # 1-D numpy array of numel elements
+
+
+class _Tensor(_Record):
+    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by
+    _materialize."""
+    __slots__ = ("storage", "offset", "size", "stride")
+
+    def __init__(self, storage, offset, size, stride):
+        self.storage, self.offset, self.size, self.stride = (storage, offset, tuple(size),
+                                                             tuple(stride))
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
+                       backward_hooks=None, metadata=None):
+    """What torch calls to rebuild a tensor; here it only records where the tensor's elements
+    are."""
+    return _Tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks):
+    return data  # an nn.Parameter is just its tensor here
+
+
+# Everything a torch.save file of tensors, state dicts and official DiT training checkpoints
+# ({"model", "ema", "opt", "args"}) names. argparse.Namespace becomes a SimpleNamespace: same
+# attribute access, no argparse behaviour.
+_TORCH_ALLOWED = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("argparse", "Namespace"): types.SimpleNamespace,
+    **{("torch", name): _StorageType(name) for name in _TORCH_STORAGE_DTYPES},
+}
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of torch's legacy (non-zip) format
+
+
+def _storage_id(path, saved_id, file_size):
+    """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it before
+    anything is allocated for the storage: it cannot hold more bytes than the whole file."""
+    if not (isinstance(saved_id, tuple) and len(saved_id) in (5, 6) and saved_id[0] == "storage"):
+        kind = saved_id[0] if isinstance(saved_id, tuple) and saved_id else saved_id
+        raise InputError(f"{path}: unsupported persistent id {reprlib.repr(kind)} (only tensor "
+                         f"storages are read; save a state_dict rather than a whole module)")
+    storage_type, key, numel = saved_id[1], str(saved_id[2]), saved_id[4]
+    if len(saved_id) == 6 and saved_id[5] is not None:
+        raise InputError(f"{path}: storage views (files from torch < 0.4) are not supported; load "
+                         f"the file with torch and save its state_dict again")
+    if not isinstance(storage_type, _StorageType) or not isinstance(numel, int) or numel < 0:
+        raise InputError(f"{path}: malformed storage record {reprlib.repr(saved_id)}; the file is "
+                         f"damaged or was not written by torch.save")
+    nbytes = numel * storage_type.dtype.itemsize
+    if nbytes > file_size:
+        raise InputError(f"{path}: storage {reprlib.repr(key)} claims {numel} elements ({nbytes} "
+                         f"bytes), more than the whole file ({file_size} bytes); the file is "
+                         f"damaged or was not written by torch.save")
+    return storage_type, key, numel
+
+
+def _storage_array(path, storage, raw, little_endian):
+    """Raw bytes -> 1-D numpy array of storage.numel elements (bfloat16 widened to float32)."""
+    dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
+    if len(raw) < storage.numel * dtype.itemsize:
+        raise InputError(f"{path}: truncated tensor data ({len(raw)} bytes where "
+                         f"{storage.numel * dtype.itemsize} were expected); download or save it "
+                         f"again")
+    data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
+    if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
+        data = (data.astype(np.uint32) << 16).view(np.float32)
+    return data
+
+
+def _materialize(path, obj, file_size):
+    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the
+    file).
+
+    A file holds each storage once, but any number of tensors can view one storage, so a few bytes
+    of pickle per tensor could ask for far more memory than the file holds. Only views of one
+    storage (tied weights) make the tensors of a real file larger than the file, so the copies may
+    add up to 8 times its size.
+    """
+    left = 8 * file_size
+
+    def convert(obj):
+        nonlocal left
+        if isinstance(obj, _Tensor):
+            data = obj.storage.data
+            if data is None:
+                raise InputError(f"{path}: a tensor refers to a storage whose data is missing; the "
+                                 f"file is truncated or damaged, download or save it again")
+            if any(s < 0 for s in obj.size) or any(s < 0 for s in obj.stride) or obj.offset < 0:
+                raise InputError(f"{path}: tensor with negative size, stride or offset; the file "
+                                 f"is damaged or was not written by torch.save")
+            if 0 in obj.size:
+                return np.zeros(obj.size, data.dtype)
+            # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state
+            # dict needs it.
+            if math.prod(obj.size) > data.size:
+                raise InputError(f"{path}: tensor of size {obj.size} has more elements than its "
+                                 f"storage ({data.size}); repeated (expanded) tensors are not "
+                                 f"supported, save them with .clone()")
+            # The last element a strided view touches must lie inside the storage, or as_strided
+            # would read arbitrary memory.
+            last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
+            if last >= data.size:
+                raise InputError(f"{path}: tensor of size {obj.size} reaches element {last} of a "
+                                 f"storage of {data.size} elements; the file is damaged")
+            nbytes = math.prod(obj.size) * data.itemsize
+            if nbytes > left:
+                raise InputError(f"{path}: its tensors add up to more than 8 times the file's size "
+                                 f"by viewing the same data over and over; files of model weights "
+                                 f"never do that, so it is damaged or crafted")
+            left -= nbytes
+            view = np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size,
+                                                   [s * data.itemsize for s in obj.stride],
+                                                   writeable=False)
+            return np.array(view)
+        if isinstance(obj, dict):
+            return {k: convert(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(convert(v) for v in obj)
+        if isinstance(obj, types.SimpleNamespace):
+            return types.SimpleNamespace(**convert(vars(obj)))
+        return obj
+
+    return convert(obj)
+
+
+def _load_torch_zip(path, archive, file_size):
+    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per
+    storage."""
+    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl "
+                         f"inside)")
+    top = pickles[0][: -len("data.pkl")]
+    left = file_size  # entries of a crafted archive can share bytes; all together fit in the file
+
+    def read(info, what):
+        nonlocal left
+        # torch stores every member uncompressed. Checking sizes before reading means a crafted
+        # archive can make us neither decompress gigabytes nor read one stretch many times over.
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise InputError(f"{path}: {what} is compressed, which torch.save never does; the file "
+                             f"was not written by torch.save")
+        if max(info.file_size, info.compress_size) > left:
+            raise InputError(f"{path}: {what} claims {info.file_size} bytes, more than the file "
+                             f"holds ({file_size} bytes in all); the file is damaged")
+        left -= info.compress_size
+        return archive.read(info)
+
+    # Files from before torch 1.10 have no byteorder record; they are little-endian.
+    little_endian = (top + "byteorder" not in archive.namelist()
+                     or read(archive.getinfo(top + "byteorder"), "the byteorder record") != b"big")
+    storages = {}
+
+    def persistent_load(saved_id):
+        storage_type, key, numel = _storage_id(path, saved_id, file_size)
+        if key not in storages:  # tensors that share a storage share the array
+            storages[key] = storage = _Storage(storage_type, numel)
+            try:
+                info = archive.getinfo(f"{top}data/{key}")
+            except KeyError:
+                raise InputError(f"{path}: storage {key!r} is missing from the archive; the file "
+                                 f"is truncated or damaged") from None
+            nbytes = numel * storage_type.dtype.itemsize
+            if info.file_size != nbytes:
+                raise InputError(f"{path}: truncated or damaged file (storage {key!r} has "
+                                 f"{info.file_size} bytes where {nbytes} were expected)")
+            raw = read(info, f"storage {key!r}")
+            storage.data = _storage_array(path, storage, raw, little_endian)
+        return storages[key]
+
+    raw = read(archive.getinfo(pickles[0]), pickles[0])
+    return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
+
+
+def _load_torch_legacy(path, f, file_size):
+    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list
+    of storage keys, then each storage as an int64 element count followed by its raw bytes."""
+    def not_torch(why):
+        return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
+                          f"torch.save pickle; pass the file that torch.save wrote")
+
+    try:
+        magic = safe_unpickle(f, {})
+    except UnsafePickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
+        raise not_torch(f"{type(e).__name__}: {e}") from None
+    if magic != _LEGACY_MAGIC:
+        raise not_torch(f"it starts with {reprlib.repr(magic)}")
+    protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
+    if protocol != 1001 or not isinstance(sys_info, dict):
+        raise InputError(f"{path}: unsupported legacy torch format (protocol "
+                         f"{reprlib.repr(protocol)}); load it with torch and save it again")
+    little_endian = sys_info.get("little_endian", True)
+    storages = {}
+
+    def persistent_load(saved_id):
+        storage_type, key, numel = _storage_id(path, saved_id, file_size)
+        return storages.setdefault(key, _Storage(storage_type, numel))
+
+    obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
+    keys = safe_unpickle(f, {})
+    for key in keys:
+        if key not in storages:
+            raise InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no tensor "
+                             f"uses; the file is damaged")
+        storage = storages[key]
+        header = f.read(8)
+        if len(header) < 8:
+            raise InputError(f"{path}: truncated file (storage {key!r} is missing); download or "
+                             f"save it again")
+        count = struct.unpack("<q" if little_endian else ">q", header)[0]
+        if count != storage.numel:
+            raise InputError(f"{path}: storage {key!r} holds {count} elements where "
+                             f"{storage.numel} were expected; the file is damaged")
+        nbytes = count * storage.storage_type.dtype.itemsize
+        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
+            raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
+                             f"download or save it again")
+        storage.data = _storage_array(path, storage, f.read(nbytes), little_endian)
+    return obj
+
+
+def load_torch(path):
+    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
+
+    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the
+    legacy format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any
+    other global in the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come
+    back as float32. Every size the file claims is checked against the file's own size before
+    memory is allocated for it; a file that fails a check raises InputError naming it.
+    """
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        try:
+            if not file_size:
+                raise InputError(f"{path}: the file is empty; download or save it again")
+            if zipfile.is_zipfile(f):
+                with zipfile.ZipFile(f) as archive:
+                    obj = _load_torch_zip(path, archive, file_size)
+            else:
+                f.seek(0)
+                if f.read(2) == b"PK":
+                    raise InputError(f"{path}: a damaged or truncated zip archive; download or "
+                                     f"save it again")
+                f.seek(0)
+                obj = _load_torch_legacy(path, f, file_size)
+            return _materialize(path, obj, file_size)
+        except UnsafePickleError as e:
+            raise UnsafePickleError(f"{path}: {e}") from None
+        except InputError:
+            raise
+        except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError,
+                TypeError, AttributeError, KeyError, ValueError, OverflowError, MemoryError,
+                RecursionError, NotImplementedError, RuntimeError, OSError) as e:
+            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's
+            # internals.
+            raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
+                             f"{e}); download it again, or save it again with torch.save") from None
+
+
+#################################################################################
+#             18. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
+#################################################################################
+
+# Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
+_DEFLATE_MAX_RATIO = 1032
+
+
+def read_npz(path, names=None):
+    """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
+    `names` that it holds (the others are left out, so that the caller can say what is missing).
+
+    np.load allocates whatever an array's header claims before reading it, and reads zip entries
+    that overlap; here every claim is checked first against the bytes that are really there, so
+    that no file makes it allocate more than the file holds (1032 times that for
+    np.savez_compressed). Object arrays, which need pickle, are refused. A file that fails a check
+    raises InputError naming it.
+    """
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        try:
+            with zipfile.ZipFile(f) as archive:
+                members = {n[:-len(".npy")]: n for n in archive.namelist() if n.endswith(".npy")}
+                wanted = members if names is None else [n for n in names if n in members]
+                left = file_size  # entries of a crafted archive can share bytes; not the file's
+                arrays = {}
+                for name in wanted:
+                    info = archive.getinfo(members[name])
+                    if info.compress_size > left:
+                        raise InputError(f"{path}: {name} claims {info.compress_size} bytes, "
+                                         f"more than the file holds; the file is damaged, write "
+                                         f"it again")
+                    left -= info.compress_size
+                    arrays[name] = _read_npy_member(path, archive, info, name)
+                return arrays
+        except InputError:
+            raise
+        except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError, IndexError,
+                struct.error, OverflowError, MemoryError, NotImplementedError, zlib.error) as e:
+            raise InputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e}); it is "
+                             f"damaged or not numpy.savez's output, write it again") from None
+
+
+def _read_npy_member(path, archive, info, name):
+    """One .npy entry of an .npz, its header checked against the entry's size before the array is
+    made."""
+    if info.compress_type == zipfile.ZIP_STORED:
+        bound = info.compress_size
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        bound = _DEFLATE_MAX_RATIO * info.compress_size
+    else:
+        raise InputError(f"{path}: {name} is compressed with zip method {info.compress_type}; "
+                         f"numpy.savez and savez_compressed write stored or deflated entries, "
+                         f"write it with them")
+    if info.file_size > bound:
+        raise InputError(f"{path}: {name} claims {info.file_size} bytes from {info.compress_size} "
+                         f"stored; the file is damaged or crafted")
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise InputError(f"{path}: {name} is in .npy format {version}, which is not read here; "
+                             f"save it with numpy.savez")
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read_header(f)
+        if dtype.hasobject:
+            raise InputError(f"{path}: {name} holds Python objects, which only pickle can read "
+                             f"(and a pickle can run code); refused. Save plain numeric arrays")
+        nbytes, stored = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+        if any(n < 0 for n in shape) or nbytes != stored:
+            raise InputError(f"{path}: {name} claims shape {shape} of {dtype} ({nbytes} bytes) but "
+                             f"holds {stored} bytes; the file is damaged or truncated, write it "
+                             f"again")
+        f.seek(0)  # read_array reads the header again, then the number of bytes checked here
+        return np.lib.format.read_array(f, allow_pickle=False)
+
+
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+                       "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path):
+    """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
+    mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
+    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32.
+
+    Every tensor is a copy of its bytes, so tensors that share bytes could add up to any multiple
+    of the file: like every claim of the header, their spans are checked before anything is made.
+    """
+    def bad(problem):
+        return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
+                          f"downloaded, the download may be incomplete; delete it and fetch it "
+                          f"again.")
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < 8:
+        raise bad(f"only {len(blob)} bytes")
+    n = int.from_bytes(blob[:8], "little")
+    if n > len(blob) - 8:
+        raise bad(f"the header claims {n} bytes but the file has {len(blob) - 8} after the length "
+                  f"field")
+    try:
+        header = json.loads(blob[8:8 + n])
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
+        raise bad(f"the header is not JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("__metadata__ is not an object of strings")
+    data = memoryview(blob)[8 + n:]
+    spans = []
+    for name, info in header.items():
+        try:
+            kind, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            dtype = np.dtype(_SAFETENSORS_DTYPES[kind]).newbyteorder("<")
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"entry {name!r} is malformed or has an unsupported dtype ({e!r})") from None
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
+            raise bad(f"tensor {name!r} has shape {shape} and spans bytes {begin}..{end}, but the "
+                      f"data has {len(data)} bytes")
+        if end - begin != math.prod(shape) * dtype.itemsize:  # Python ints, which cannot overflow
+            raise bad(f"tensor {name!r} has {end - begin} bytes, not what shape {shape} of {kind} "
+                      f"needs")
+        spans.append((begin, end, name, kind, dtype, shape))
+    spans.sort()
+    for (_, end, first, *_), (begin, _, second, *_) in zip(spans, spans[1:]):
+        if begin < end:
+            raise bad(f"tensors {first!r} and {second!r} share bytes {begin}..{end}")
+    tensors = {}
+    for begin, end, name, kind, dtype, shape in spans:
+        arr = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
+        if kind == "BF16":  # bfloat16 is the top half of a float32
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
+    return tensors, metadata
+
+
+def write_safetensors(f, tensors, metadata):
+    """Write float32 `tensors` and string `metadata` to the open file f in the .safetensors format
+    that read_safetensors reads."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        nbytes = 4 * int(np.prod(np.shape(t)))
+        header[name] = {"dtype": "F32", "shape": list(np.shape(t)),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for t in tensors.values():
+        f.write(np.ascontiguousarray(t, "<f4").tobytes())
+
+
+# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the
+# page)
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
+    dimensions, one big-endian uint32 per dimension, then the elements in C order.
+
+    The elements are read only once the header's size is checked against the file (for gzip,
+    against the most that deflate can expand it to), and no further: a small file cannot make it
+    allocate, or decompress, more than it could hold."""
+    fix = "delete it and download it again"
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        gzipped = f.read(2) == b"\x1f\x8b"  # the gzip magic, whatever the file is called
+        f.seek(0)
+        stream = gzip.GzipFile(fileobj=f) if gzipped else f
+        try:
+            head = stream.read(4)
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
+                raise InputError(f"{path} is not an IDX file: it starts with bytes {head.hex()}, "
+                                 f"an IDX file with 00 00, a type code and the number of "
+                                 f"dimensions; {fix}")
+            dims = stream.read(4 * head[3])
+            if len(dims) < 4 * head[3]:
+                raise InputError(f"{path}: the IDX header is cut short; {fix}")
+            shape = struct.unpack(f">{head[3]}I", dims)
+            dtype = np.dtype(_IDX_DTYPES[head[2]])
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > (_DEFLATE_MAX_RATIO if gzipped else 1) * size:
+                raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes), "
+                                 f"more than the file can hold ({size} bytes); {fix}")
+            # In pieces: a single read would allocate all that the header claims, at once.
+            pieces, left = [], nbytes + 1  # one byte more tells a file that goes on
+            while left and (piece := stream.read(min(left, 1 << 20))):
+                pieces.append(piece)
+                left -= len(piece)
+            data = b"".join(pieces)
+        except (OSError, EOFError, zlib.error) as e:
+            raise InputError(f"{path}: damaged gzip data ({e}); {fix}") from None
+    if len(data) != nbytes:
+        raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes of data) but "
+                         f"the file holds {'more' if len(data) > nbytes else len(data)}; it is "
+                         f"truncated or damaged, {fix}")
+    return np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape).astype(
+        dtype.newbyteorder("="))
+
+
+# CIFAR-10's python release: a gzipped tar of pickles, each a dict of numpy arrays.
+_CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
+
+
+_ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
+
+
+def _empty_array(cls, shape, dtype):
+    """numpy's _reconstruct as the pickle of an array calls it: an empty array, which the pickle
+    then fills (ndarray.__setstate__) from bytes that it holds. Any other shape, or a call of
+    numpy.ndarray itself, would allocate whatever a few bytes of pickle ask for."""
+    if cls is not _ARRAY_CLASS or shape != (0,):
+        raise pickle.UnpicklingError(f"an array made as {reprlib.repr(shape)}, which numpy's "
+                                     f"pickles never do")
+    return np.empty(0).__reduce__()[0](np.ndarray, (0,), dtype)
+
+
+# The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
+# globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
+_CIFAR_PICKLE_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
+    ("numpy", "ndarray"): _ARRAY_CLASS,
+    ("numpy", "dtype"): np.dtype,
+}
+
+
+class _CappedGzip(gzip.GzipFile):
+    """A gzip file that refuses to read past `limit` uncompressed bytes. tarfile allocates what a
+    header claims before reading it, and a few kilobytes of gzip can expand to gigabytes: with
+    this, no archive costs more than `limit`."""
+
+    def __init__(self, path, limit):
+        super().__init__(path, "rb")
+        self.limit = limit
+
+    def read(self, size=-1):
+        if size < 0 or self.tell() + size > self.limit:
+            raise InputError(f"{self.name} unpacks to more than {self.limit} bytes, more than "
+                             f"CIFAR-10 holds; it is damaged, delete it and download it again")
+        return super().read(size)
+
+
+def _unpickle_cifar(f, where: str) -> dict:
+    try:
+        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
+        # bytes
+        obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
+    except UnsafePickleError as e:
+        raise UnsafePickleError(f"{where}: {e}") from None
+    # What the few callables allowed raise on arguments that are not numpy's
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
+            IndexError) as e:
+        raise InputError(f"{where} is not a readable CIFAR-10 batch ({type(e).__name__}: {e}); "
+                         f"delete it and download CIFAR-10 again") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
+
+
+#################################################################################
+#                             19. JSON and downloads                            #
+#################################################################################
+
+def read_json(path, valid, expected, fix):
+    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
+    and saying `fix`, rather than later as a KeyError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not valid(obj):
+        raise InputError(f"{path} is not {expected}; {fix}")
+    return obj
+
+
+def default_cache_dir():
+    """Where downloaded weights and datasets go: $DIT_CACHE, or ~/.cache/dit-jax."""
+    return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
+
+
+def file_digest(path, algorithm="sha256"):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, algorithm).hexdigest()
+
+
+def download(url, path, digest=None, algorithm="sha256"):
+    """Fetch url into path. The bytes go to a temporary file that takes the final name only once
+    complete and, when a published digest is given, verified: an interrupted or damaged download
+    never passes for the real file. Used for the Inception weights here and for the VAE and datasets
+    in dit.py."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # Named per host and process: hosts that share a cache folder can have equal process ids.
+    tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            received = 0
+            with tqdm(total=total, unit="B", unit_scale=True,
+                      desc=f"downloading {os.path.basename(path)}") as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    hasher.update(chunk)
+                    bar.update(len(chunk))
+                    received += len(chunk)
+            if total is not None and received != total:  # a connection that closed early
+                raise http.client.IncompleteRead(b"", total - received)
+    # URLError and socket timeouts are OSErrors too
+    except (OSError, http.client.HTTPException) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
+                                f"download it elsewhere and put it at {path}") from None
+    if digest is not None and hasher.hexdigest() != digest:
+        os.remove(tmp)
+        raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
+                         f"{hasher.hexdigest()}, the published one is {digest}. Try again, or put "
+                         f"a good copy at {path}")
+    os.replace(tmp, path)
+
+
+
+
 # pasted into a notebook: call main([...])
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    fid.run_cli(main)
+    run_cli(main)

@@ -4,8 +4,8 @@ FID and Inception Score with the FID InceptionV3 network, in JAX, giving pytorch
 The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two
 Time-Scale Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by
 pytorch-fid (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file
-directly, without torch, through a restricted unpickler that is also used to read DiT checkpoints
-and other pickles.
+directly, without torch, through dit.py's restricted reader of PyTorch files: dit.py holds every
+reader of untrusted files, so fid.py needs it beside (or pasted into the same notebook).
 
     python fid.py stats FOLDER_OR_NPZ OUT.npz     # reference statistics (mu, sigma), pytorch-fid's
                                                     format
@@ -19,26 +19,14 @@ folders and .npz files, `InceptionFeatures` to stream batches as they are genera
 """
 
 import argparse
-import collections
 import concurrent.futures
 import functools
-import hashlib
-import http.client
-import io
-import math
 import os
-import pickle
-import pickletools
-import reprlib
-import socket
+import sys
 import struct
 import tempfile
 import time
-import types
-import urllib.request
 import warnings
-import zipfile
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -49,500 +37,19 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
-from tqdm import tqdm
-
-
-#################################################################################
-#                        Errors the user can fix, and the CLI                   #
-#################################################################################
-
-class InputError(ValueError):
-    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
-
-    The message names it and says what to do. The command lines (run_cli) print that message
-    alone, on one line and without a traceback; any other exception is a bug and keeps its
-    traceback. A ValueError, so that code catching bad values catches these too.
-    """
-
-
-def run_cli(main, argv=None):
-    """Run a command line's `main(argv)`. A failure on the user's input, an InputError or an
-    OSError (a missing file, a full disk), ends the process with status 1 and one line on stderr,
-    `error: <message>`."""
-    try:
-        return main(argv)
-    except (InputError, OSError) as e:
-        if isinstance(e, OSError) and e.filename is not None and e.strerror:
-            message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
-        else:
-            message = str(e)
-        # A message can quote another library's error text, which may span lines.
-        raise SystemExit("error: " + " ".join(message.splitlines())) from None
-
-
-#################################################################################
-#                 Restricted Reader for PyTorch Files (no torch)                #
-#################################################################################
-
-class UnsafePickleError(InputError, pickle.UnpicklingError):
-    """A pickle asked for a global (class or function) that is not on the allow list."""
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler whose only way to reach Python objects is an explicit table.
-
-    A pickle can call any importable function (`os.system` included) by naming it; every such name
-    goes through `find_class`, so refusing unknown names here means nothing from the file can run.
-    """
-
-    def __init__(self, fileobj, allowed, persistent_load, encoding):
-        super().__init__(fileobj, encoding=encoding)
-        self.allowed = allowed
-        if persistent_load is not None:
-            self.persistent_load = persistent_load
-
-    def find_class(self, module, name):
-        try:
-            return self.allowed[(module, name)]
-        except KeyError:
-            raise UnsafePickleError(
-                f"refused to load the global '{module}.{name}': it is not on the allow list. The "
-                f"file may be malicious (a pickle can run arbitrary code through such names), or "
-                f"it uses a feature this reader does not support. Nothing from the file was "
-                f"run.") from None
-
-
-class _Recorder:
-    """A file as pickletools.genops reads it, keeping what was read. Reads go in pieces of at most
-    1 MiB, so that a count in a pickle larger than its data allocates no more than the data."""
-
-    def __init__(self, f):
-        self.f, self.parts = f, []
-
-    def read(self, n):
-        pieces = []
-        while n > 0 and (piece := self.f.read(min(n, 1 << 20))):
-            pieces.append(piece)
-            n -= len(piece)
-        self.parts.append(b"".join(pieces))
-        return self.parts[-1]
-
-    def readline(self):
-        self.parts.append(self.f.readline())
-        return self.parts[-1]
-
-
-def _read_pickle(fileobj):
-    """The bytes of the next pickle in `fileobj`, up to its STOP, after checking its opcodes.
-
-    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
-    and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
-    `LONG_BINPUT 2**30` alone takes 16 GiB. Here every count is read against the data that is
-    really there, and a memo index may not exceed the opcodes before it (a pickler numbers its
-    entries in order), so that no pickle makes the unpickler allocate much more than its own size.
-    """
-    recorder = _Recorder(fileobj)
-    try:
-        for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
-            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > seen:
-                raise pickle.UnpicklingError(f"memo index {arg} after only {seen} opcodes: the "
-                                             f"pickle is damaged or crafted")
-    except ValueError as e:  # genops' word for truncated or unknown data
-        raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
-    return b"".join(recorder.parts)
-
-
-def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
-    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
-    `allowed[(module, name)]`.
-
-    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses
-    them for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes"
-    or "latin1". The pickle is read and checked first (_read_pickle), so that it cannot make the
-    unpickler allocate more memory than it holds; a damaged one raises pickle.UnpicklingError.
-    """
-    raw = _read_pickle(fileobj)
-    return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
-
-
-# Storage classes as torch names them in a pickle -> element type of their raw bytes.
-# bfloat16 has no numpy type; it is read as uint16 and widened to float32 (exact) in _storage_array.
-_TORCH_STORAGE_DTYPES = {
-    "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
-    "BFloat16Storage": np.uint16, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
-    "BoolStorage": np.bool_,
-}
-
-
-class _Record:
-    """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets
-    attributes on any object it holds (through __setstate__, or the instance dict), which could
-    rewrite the shared storage types and corrupt every later load: refuse it."""
-    __slots__ = ()
-
-    def __setstate__(self, state):
-        raise UnsafePickleError(f"the file tried to modify a {type(self).__name__.strip('_')}; a "
-                                f"torch.save file never does this, so it may be malicious. Nothing "
-                                f"from the file was run.")
-
-
-class _StorageType(_Record):
-    """Stand-in for a `torch.*Storage` class: only carries the element type."""
-    __slots__ = ("name", "dtype")
-
-    def __init__(self, name):
-        self.name = name
-        self.dtype = np.dtype(_TORCH_STORAGE_DTYPES[name])
-
-
-class _Storage(_Record):
-    """A tensor storage named in the pickle; its bytes are attached once they have been read."""
-    __slots__ = ("storage_type", "numel", "data")
-
-    def __init__(self, storage_type, numel):
-        self.storage_type = storage_type
-        self.numel = numel
-        self.data = None  # 1-D numpy array of numel elements
-
-
-class _Tensor(_Record):
-    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by
-    _materialize."""
-    __slots__ = ("storage", "offset", "size", "stride")
-
-    def __init__(self, storage, offset, size, stride):
-        self.storage, self.offset, self.size, self.stride = (storage, offset, tuple(size),
-                                                             tuple(stride))
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
-                       backward_hooks=None, metadata=None):
-    """What torch calls to rebuild a tensor; here it only records where the tensor's elements
-    are."""
-    return _Tensor(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(data, requires_grad, backward_hooks):
-    return data  # an nn.Parameter is just its tensor here
-
-
-# Everything a torch.save file of tensors, state dicts and official DiT training checkpoints
-# ({"model", "ema", "opt", "args"}) names. argparse.Namespace becomes a SimpleNamespace: same
-# attribute access, no argparse behaviour.
-_TORCH_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("argparse", "Namespace"): types.SimpleNamespace,
-    **{("torch", name): _StorageType(name) for name in _TORCH_STORAGE_DTYPES},
-}
-
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of torch's legacy (non-zip) format
-
-
-def _storage_id(path, saved_id, file_size):
-    """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it before
-    anything is allocated for the storage: it cannot hold more bytes than the whole file."""
-    if not (isinstance(saved_id, tuple) and len(saved_id) in (5, 6) and saved_id[0] == "storage"):
-        kind = saved_id[0] if isinstance(saved_id, tuple) and saved_id else saved_id
-        raise InputError(f"{path}: unsupported persistent id {reprlib.repr(kind)} (only tensor "
-                         f"storages are read; save a state_dict rather than a whole module)")
-    storage_type, key, numel = saved_id[1], str(saved_id[2]), saved_id[4]
-    if len(saved_id) == 6 and saved_id[5] is not None:
-        raise InputError(f"{path}: storage views (files from torch < 0.4) are not supported; load "
-                         f"the file with torch and save its state_dict again")
-    if not isinstance(storage_type, _StorageType) or not isinstance(numel, int) or numel < 0:
-        raise InputError(f"{path}: malformed storage record {reprlib.repr(saved_id)}; the file is "
-                         f"damaged or was not written by torch.save")
-    nbytes = numel * storage_type.dtype.itemsize
-    if nbytes > file_size:
-        raise InputError(f"{path}: storage {reprlib.repr(key)} claims {numel} elements ({nbytes} "
-                         f"bytes), more than the whole file ({file_size} bytes); the file is "
-                         f"damaged or was not written by torch.save")
-    return storage_type, key, numel
-
-
-def _storage_array(path, storage, raw, little_endian):
-    """Raw bytes -> 1-D numpy array of storage.numel elements (bfloat16 widened to float32)."""
-    dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
-    if len(raw) < storage.numel * dtype.itemsize:
-        raise InputError(f"{path}: truncated tensor data ({len(raw)} bytes where "
-                         f"{storage.numel * dtype.itemsize} were expected); download or save it "
-                         f"again")
-    data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
-    if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
-        data = (data.astype(np.uint32) << 16).view(np.float32)
-    return data
-
-
-def _materialize(path, obj, file_size):
-    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the
-    file).
-
-    A file holds each storage once, but any number of tensors can view one storage, so a few bytes
-    of pickle per tensor could ask for far more memory than the file holds. Only views of one
-    storage (tied weights) make the tensors of a real file larger than the file, so the copies may
-    add up to 8 times its size.
-    """
-    left = 8 * file_size
-
-    def convert(obj):
-        nonlocal left
-        if isinstance(obj, _Tensor):
-            data = obj.storage.data
-            if data is None:
-                raise InputError(f"{path}: a tensor refers to a storage whose data is missing; the "
-                                 f"file is truncated or damaged, download or save it again")
-            if any(s < 0 for s in obj.size) or any(s < 0 for s in obj.stride) or obj.offset < 0:
-                raise InputError(f"{path}: tensor with negative size, stride or offset; the file "
-                                 f"is damaged or was not written by torch.save")
-            if 0 in obj.size:
-                return np.zeros(obj.size, data.dtype)
-            # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state
-            # dict needs it.
-            if math.prod(obj.size) > data.size:
-                raise InputError(f"{path}: tensor of size {obj.size} has more elements than its "
-                                 f"storage ({data.size}); repeated (expanded) tensors are not "
-                                 f"supported, save them with .clone()")
-            # The last element a strided view touches must lie inside the storage, or as_strided
-            # would read arbitrary memory.
-            last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
-            if last >= data.size:
-                raise InputError(f"{path}: tensor of size {obj.size} reaches element {last} of a "
-                                 f"storage of {data.size} elements; the file is damaged")
-            nbytes = math.prod(obj.size) * data.itemsize
-            if nbytes > left:
-                raise InputError(f"{path}: its tensors add up to more than 8 times the file's size "
-                                 f"by viewing the same data over and over; files of model weights "
-                                 f"never do that, so it is damaged or crafted")
-            left -= nbytes
-            view = np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size,
-                                                   [s * data.itemsize for s in obj.stride],
-                                                   writeable=False)
-            return np.array(view)
-        if isinstance(obj, dict):
-            return {k: convert(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(convert(v) for v in obj)
-        if isinstance(obj, types.SimpleNamespace):
-            return types.SimpleNamespace(**convert(vars(obj)))
-        return obj
-
-    return convert(obj)
-
-
-def _load_torch_zip(path, archive, file_size):
-    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per
-    storage."""
-    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pickles) != 1:
-        raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl "
-                         f"inside)")
-    top = pickles[0][: -len("data.pkl")]
-    left = file_size  # entries of a crafted archive can share bytes; all together fit in the file
-
-    def read(info, what):
-        nonlocal left
-        # torch stores every member uncompressed. Checking sizes before reading means a crafted
-        # archive can make us neither decompress gigabytes nor read one stretch many times over.
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise InputError(f"{path}: {what} is compressed, which torch.save never does; the file "
-                             f"was not written by torch.save")
-        if max(info.file_size, info.compress_size) > left:
-            raise InputError(f"{path}: {what} claims {info.file_size} bytes, more than the file "
-                             f"holds ({file_size} bytes in all); the file is damaged")
-        left -= info.compress_size
-        return archive.read(info)
-
-    # Files from before torch 1.10 have no byteorder record; they are little-endian.
-    little_endian = (top + "byteorder" not in archive.namelist()
-                     or read(archive.getinfo(top + "byteorder"), "the byteorder record") != b"big")
-    storages = {}
-
-    def persistent_load(saved_id):
-        storage_type, key, numel = _storage_id(path, saved_id, file_size)
-        if key not in storages:  # tensors that share a storage share the array
-            storages[key] = storage = _Storage(storage_type, numel)
-            try:
-                info = archive.getinfo(f"{top}data/{key}")
-            except KeyError:
-                raise InputError(f"{path}: storage {key!r} is missing from the archive; the file "
-                                 f"is truncated or damaged") from None
-            nbytes = numel * storage_type.dtype.itemsize
-            if info.file_size != nbytes:
-                raise InputError(f"{path}: truncated or damaged file (storage {key!r} has "
-                                 f"{info.file_size} bytes where {nbytes} were expected)")
-            raw = read(info, f"storage {key!r}")
-            storage.data = _storage_array(path, storage, raw, little_endian)
-        return storages[key]
-
-    raw = read(archive.getinfo(pickles[0]), pickles[0])
-    return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
-
-
-def _load_torch_legacy(path, f, file_size):
-    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list
-    of storage keys, then each storage as an int64 element count followed by its raw bytes."""
-    def not_torch(why):
-        return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
-                          f"torch.save pickle; pass the file that torch.save wrote")
-
-    try:
-        magic = safe_unpickle(f, {})
-    except UnsafePickleError:
+from tqdm.auto import tqdm
+
+# dit.py holds what the two files share: the readers of untrusted files and InputError. Run as a
+# script or pasted into a notebook cell, each file registers itself, so that the other's import
+# finds this very code rather than a second copy of it.
+if __name__ == "__main__":
+    sys.modules.setdefault("fid", sys.modules["__main__"])
+try:
+    import dit
+except ModuleNotFoundError as e:
+    if e.name != "dit":
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
-        raise not_torch(f"{type(e).__name__}: {e}") from None
-    if magic != _LEGACY_MAGIC:
-        raise not_torch(f"it starts with {reprlib.repr(magic)}")
-    protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
-    if protocol != 1001 or not isinstance(sys_info, dict):
-        raise InputError(f"{path}: unsupported legacy torch format (protocol "
-                         f"{reprlib.repr(protocol)}); load it with torch and save it again")
-    little_endian = sys_info.get("little_endian", True)
-    storages = {}
-
-    def persistent_load(saved_id):
-        storage_type, key, numel = _storage_id(path, saved_id, file_size)
-        return storages.setdefault(key, _Storage(storage_type, numel))
-
-    obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
-    keys = safe_unpickle(f, {})
-    for key in keys:
-        if key not in storages:
-            raise InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no tensor "
-                             f"uses; the file is damaged")
-        storage = storages[key]
-        header = f.read(8)
-        if len(header) < 8:
-            raise InputError(f"{path}: truncated file (storage {key!r} is missing); download or "
-                             f"save it again")
-        count = struct.unpack("<q" if little_endian else ">q", header)[0]
-        if count != storage.numel:
-            raise InputError(f"{path}: storage {key!r} holds {count} elements where "
-                             f"{storage.numel} were expected; the file is damaged")
-        nbytes = count * storage.storage_type.dtype.itemsize
-        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
-            raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
-                             f"download or save it again")
-        storage.data = _storage_array(path, storage, f.read(nbytes), little_endian)
-    return obj
-
-
-def load_torch(path):
-    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
-
-    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the
-    legacy format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any
-    other global in the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come
-    back as float32. Every size the file claims is checked against the file's own size before
-    memory is allocated for it; a file that fails a check raises InputError naming it.
-    """
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        try:
-            if not file_size:
-                raise InputError(f"{path}: the file is empty; download or save it again")
-            if zipfile.is_zipfile(f):
-                with zipfile.ZipFile(f) as archive:
-                    obj = _load_torch_zip(path, archive, file_size)
-            else:
-                f.seek(0)
-                if f.read(2) == b"PK":
-                    raise InputError(f"{path}: a damaged or truncated zip archive; download or "
-                                     f"save it again")
-                f.seek(0)
-                obj = _load_torch_legacy(path, f, file_size)
-            return _materialize(path, obj, file_size)
-        except UnsafePickleError as e:
-            raise UnsafePickleError(f"{path}: {e}") from None
-        except InputError:
-            raise
-        except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError,
-                TypeError, AttributeError, KeyError, ValueError, OverflowError, MemoryError,
-                RecursionError, NotImplementedError, RuntimeError, OSError) as e:
-            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's
-            # internals.
-            raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
-                             f"{e}); download it again, or save it again with torch.save") from None
-
-
-#################################################################################
-#                         Bounded Reader for .npz Files                         #
-#################################################################################
-
-# Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
-_DEFLATE_MAX_RATIO = 1032
-
-
-def read_npz(path, names=None):
-    """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
-    `names` that it holds (the others are left out, so that the caller can say what is missing).
-
-    np.load allocates whatever an array's header claims before reading it, and reads zip entries
-    that overlap; here every claim is checked first against the bytes that are really there, so
-    that no file makes it allocate more than the file holds (1032 times that for
-    np.savez_compressed). Object arrays, which need pickle, are refused. A file that fails a check
-    raises InputError naming it.
-    """
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        try:
-            with zipfile.ZipFile(f) as archive:
-                members = {n[:-len(".npy")]: n for n in archive.namelist() if n.endswith(".npy")}
-                wanted = members if names is None else [n for n in names if n in members]
-                left = file_size  # entries of a crafted archive can share bytes; not the file's
-                arrays = {}
-                for name in wanted:
-                    info = archive.getinfo(members[name])
-                    if info.compress_size > left:
-                        raise InputError(f"{path}: {name} claims {info.compress_size} bytes, "
-                                         f"more than the file holds; the file is damaged, write "
-                                         f"it again")
-                    left -= info.compress_size
-                    arrays[name] = _read_npy_member(path, archive, info, name)
-                return arrays
-        except InputError:
-            raise
-        except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError, IndexError,
-                struct.error, OverflowError, MemoryError, NotImplementedError, zlib.error) as e:
-            raise InputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e}); it is "
-                             f"damaged or not numpy.savez's output, write it again") from None
-
-
-def _read_npy_member(path, archive, info, name):
-    """One .npy entry of an .npz, its header checked against the entry's size before the array is
-    made."""
-    if info.compress_type == zipfile.ZIP_STORED:
-        bound = info.compress_size
-    elif info.compress_type == zipfile.ZIP_DEFLATED:
-        bound = _DEFLATE_MAX_RATIO * info.compress_size
-    else:
-        raise InputError(f"{path}: {name} is compressed with zip method {info.compress_type}; "
-                         f"numpy.savez and savez_compressed write stored or deflated entries, "
-                         f"write it with them")
-    if info.file_size > bound:
-        raise InputError(f"{path}: {name} claims {info.file_size} bytes from {info.compress_size} "
-                         f"stored; the file is damaged or crafted")
-    with archive.open(info) as f:
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
-            raise InputError(f"{path}: {name} is in .npy format {version}, which is not read here; "
-                             f"save it with numpy.savez")
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, _, dtype = read_header(f)
-        if dtype.hasobject:
-            raise InputError(f"{path}: {name} holds Python objects, which only pickle can read "
-                             f"(and a pickle can run code); refused. Save plain numeric arrays")
-        nbytes, stored = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
-        if any(n < 0 for n in shape) or nbytes != stored:
-            raise InputError(f"{path}: {name} claims shape {shape} of {dtype} ({nbytes} bytes) but "
-                             f"holds {stored} bytes; the file is damaged or truncated, write it "
-                             f"again")
-        f.seek(0)  # read_array reads the header again, then the number of bytes checked here
-        return np.lib.format.read_array(f, allow_pickle=False)
+    dit = sys.modules["__main__"]  # pasted before dit.py: its text will run in this same namespace
 
 
 #################################################################################
@@ -784,55 +291,10 @@ class InceptionV3(nnx.Module):
 #               Weights: pytorch-fid's file -> converted and cached              #
 #################################################################################
 
-FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
+FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/dit.download/fid_weights/"
                    "pt_inception-2015-12-05-6726825d.pth")
 FID_WEIGHTS_NAME = os.path.basename(FID_WEIGHTS_URL)
 FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
-
-
-def default_cache_dir():
-    """Where downloaded weights and datasets go: $DIT_CACHE, or ~/.cache/dit-jax."""
-    return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
-
-
-def file_digest(path, algorithm="sha256"):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, algorithm).hexdigest()
-
-
-def download(url, path, digest=None, algorithm="sha256"):
-    """Fetch url into path. The bytes go to a temporary file that takes the final name only once
-    complete and, when a published digest is given, verified: an interrupted or damaged download
-    never passes for the real file. Used for the Inception weights here and for the VAE and datasets
-    in dit.py."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # Named per host and process: hosts that share a cache folder can have equal process ids.
-    tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            received = 0
-            with tqdm(total=total, unit="B", unit_scale=True,
-                      desc=f"downloading {os.path.basename(path)}") as bar:
-                while chunk := response.read(1 << 20):
-                    f.write(chunk)
-                    hasher.update(chunk)
-                    bar.update(len(chunk))
-                    received += len(chunk)
-            if total is not None and received != total:  # a connection that closed early
-                raise http.client.IncompleteRead(b"", total - received)
-    # URLError and socket timeouts are OSErrors too
-    except (OSError, http.client.HTTPException) as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
-                                f"download it elsewhere and put it at {path}") from None
-    if digest is not None and hasher.hexdigest() != digest:
-        os.remove(tmp)
-        raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
-                         f"{hasher.hexdigest()}, the published one is {digest}. Try again, or put "
-                         f"a good copy at {path}")
-    os.replace(tmp, path)
 
 
 def _convert_torch_weights(state_dict, source):
@@ -840,7 +302,7 @@ def _convert_torch_weights(state_dict, source):
     layout."""
     if not (isinstance(state_dict, dict)
             and all(isinstance(v, np.ndarray) for v in state_dict.values())):
-        raise InputError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
+        raise dit.InputError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
                          f"tensors). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     params = {}
     for key, value in state_dict.items():
@@ -883,7 +345,7 @@ def _build_inception(params, source):
         problems = [f"{label}: {show(keys)}" for label, keys in
                     (("missing", missing), ("unexpected", unexpected),
                      ("wrong shape", wrong)) if keys]
-        raise InputError(f"{source}: not pytorch-fid's FID Inception weights "
+        raise dit.InputError(f"{source}: not pytorch-fid's FID Inception weights "
                          f"({'; '.join(problems)}). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
         {tuple(key.split("/")): jnp.asarray(value) for key, value in params.items()}))
@@ -900,25 +362,25 @@ def load_inception(path=None, cache_dir=None):
     are not comparable with published ones. The converted parameters are cached as an .npz named by
     the file's hash.
     """
-    cache_dir = cache_dir or default_cache_dir()
+    cache_dir = cache_dir or dit.default_cache_dir()
     if path is None:
         path = os.path.join(cache_dir, FID_WEIGHTS_NAME)
         if not os.path.exists(path):
-            download(FID_WEIGHTS_URL, path, FID_WEIGHTS_SHA256)
+            dit.download(FID_WEIGHTS_URL, path, FID_WEIGHTS_SHA256)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's "
                                 f"{FID_WEIGHTS_NAME} (from {FID_WEIGHTS_URL}) or leave the path "
-                                f"out to download it")
-    digest = file_digest(path)
+                                f"out to dit.download it")
+    digest = dit.file_digest(path)
     if digest != FID_WEIGHTS_SHA256 and os.path.basename(path) == FID_WEIGHTS_NAME:
-        raise InputError(f"{path}: sha256 {digest} differs from the official "
+        raise dit.InputError(f"{path}: sha256 {digest} differs from the official "
                          f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
-                         f"and run again to download it afresh")
+                         f"and run again to dit.download it afresh")
     converted = os.path.join(cache_dir, f"inception-{digest[:16]}.npz")
     if os.path.exists(converted):
-        inception = _build_inception(read_npz(converted), path)
+        inception = _build_inception(dit.read_npz(converted), path)
     else:
-        params = _convert_torch_weights(load_torch(path), path)
+        params = _convert_torch_weights(dit.load_torch(path), path)
         inception = _build_inception(params, path)  # checks the weights before they are cached
         try:  # write then rename, so that an interrupted run never leaves half a cache file
             os.makedirs(cache_dir, exist_ok=True)
@@ -974,7 +436,7 @@ class FeatureStats:
     def mu_sigma(self):
         """(mu (D,), sigma (D, D)); warns when too few samples give a singular covariance."""
         if self.count < 2:
-            raise InputError(f"a covariance needs at least 2 images, got {self.count}; give more "
+            raise dit.InputError(f"a covariance needs at least 2 images, got {self.count}; give more "
                              f"images")
         dim = len(self.mean)
         if self.count <= dim:
@@ -999,7 +461,7 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
                       np.atleast_2d(np.asarray(sigma2, np.float64)))
     if (mu1.shape != mu2.shape or sigma1.shape != sigma2.shape
             or sigma1.shape != (len(mu1), len(mu1))):
-        raise InputError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma "
+        raise dit.InputError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma "
                          f"{sigma1.shape} vs {sigma2.shape}; both must come from the same features "
                          f"(2048-d pool3 for FID)")
     diff = mu1 - mu2
@@ -1011,7 +473,7 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
         covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
     if np.iscomplexobj(covmean):
         if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
-            raise InputError(f"imaginary component {np.max(np.abs(covmean.imag))} in "
+            raise dit.InputError(f"imaginary component {np.max(np.abs(covmean.imag))} in "
                              f"sqrt(sigma1 sigma2): the statistics are not valid covariance "
                              f"matrices; compute them again with `python fid.py stats`")
         covmean = covmean.real
@@ -1027,7 +489,7 @@ def inception_score(logits, splits=10):
     """
     logits = np.asarray(logits, np.float64)
     if len(logits) < splits:
-        raise InputError(f"Inception Score with {splits} splits needs at least {splits} images, "
+        raise dit.InputError(f"Inception Score with {splits} splits needs at least {splits} images, "
                          f"got {len(logits)}; give more images")
     log_p = logits - scipy.special.logsumexp(logits, axis=1, keepdims=True)  # (N, 1008): log p(y|x)
     scores = []
@@ -1046,15 +508,15 @@ def save_statistics(path, mu, sigma):
 def load_statistics(path):
     """(mu, sigma) from a pytorch-fid .npz or an OpenAI reference batch (which keeps `arr_0` beside
     them)."""
-    stats = read_npz(path, ["mu", "sigma"])
+    stats = dit.read_npz(path, ["mu", "sigma"])
     if len(stats) < 2:
-        raise InputError(f"{path} has no `mu` and `sigma`, so it is not FID statistics; for an "
+        raise dit.InputError(f"{path} has no `mu` and `sigma`, so it is not FID statistics; for an "
                          f".npz of images (`arr_0`) compute them with `python fid.py stats {path} "
                          f"OUT.npz`")
     mu, sigma = stats["mu"], stats["sigma"]
     if (mu.ndim != 1 or sigma.shape != (len(mu), len(mu))
             or mu.dtype.kind not in "fiu" or sigma.dtype.kind not in "fiu"):
-        raise InputError(f"{path}: mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape} "
+        raise dit.InputError(f"{path}: mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape} "
                          f"are not a real (D,) mean and (D, D) covariance; compute them with "
                          f"`python fid.py stats`")
     return mu.astype(np.float64), sigma.astype(np.float64)
@@ -1115,7 +577,7 @@ class InceptionFeatures:
         W."""
         images = np.asarray(images)
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
-            raise InputError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} "
+            raise dit.InputError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} "
                              f"{images.shape}; convert floats in [0, 1] with "
                              f"(x * 255).round().clip(0, 255).astype(np.uint8)")
         # Every process must run the same number of steps on the same shapes, so agree on both
@@ -1126,7 +588,7 @@ class InceptionFeatures:
         if self.image_shape is not None:
             shapes.add(self.image_shape)
         if len(shapes) > 1:
-            raise InputError(f"images of different sizes {sorted(shapes)}: FID needs images of one "
+            raise dit.InputError(f"images of different sizes {sorted(shapes)}: FID needs images of one "
                              f"size; resize or crop them all to the same height and width first")
         most = sizes[:, 0].max()
         if most == 0:
@@ -1171,10 +633,6 @@ class InceptionFeatures:
                 "score_logits": logits - self.fc_bias}
 
 
-IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
-                    ".webp")
-
-
 class ImageFolder:
     """The image files under a folder (recursively, sorted) as a sequence: folder[i:j] -> uint8
     (n, H, W, 3).
@@ -1185,9 +643,9 @@ class ImageFolder:
 
     def __init__(self, root):
         self.paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                            if f.lower().endswith(IMAGE_EXTENSIONS))
+                            if f.lower().endswith(dit.IMAGE_EXTENSIONS))
         if not self.paths:
-            raise InputError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}; give a "
+            raise dit.InputError(f"no images ({', '.join(dit.IMAGE_EXTENSIONS)}) under {root}; give a "
                              f"folder that holds some")
         self.shape = self._read(self.paths[0]).shape
         self.pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
@@ -1200,13 +658,13 @@ class ImageFolder:
         # PIL raises these on malformed files, and its messages do not always name the file.
         except (OSError, ValueError, SyntaxError, EOFError, struct.error,
                 Image.DecompressionBombError) as e:
-            raise InputError(f"{path} is not a readable image ({type(e).__name__}: {e}); remove or "
+            raise dit.InputError(f"{path} is not a readable image ({type(e).__name__}: {e}); remove or "
                              f"replace it") from None
 
     def _read_checked(self, path):
         image = self._read(path)
         if image.shape != self.shape:
-            raise InputError(f"{path} is {image.shape[1]}x{image.shape[0]} but {self.paths[0]} "
+            raise dit.InputError(f"{path} is {image.shape[1]}x{image.shape[0]} but {self.paths[0]} "
                              f"is {self.shape[1]}x{self.shape[0]}: FID needs images of one size; "
                              f"resize or crop them")
         return image
@@ -1229,14 +687,14 @@ def load_images(source):
     if not os.path.isfile(source):
         raise FileNotFoundError(f"{source}: no such folder or file")
     if not source.endswith(".npz"):
-        raise InputError(f"{source}: expected a folder of images or an .npz with the images in "
+        raise dit.InputError(f"{source}: expected a folder of images or an .npz with the images in "
                          f"`arr_0`")
-    images = read_npz(source, ["arr_0"]).get("arr_0")
+    images = dit.read_npz(source, ["arr_0"]).get("arr_0")
     if images is None:
-        raise InputError(f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
+        raise dit.InputError(f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
                          f"of images or an .npz of them")
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise InputError(f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
+        raise dit.InputError(f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
                          f"(N, H, W, 3); convert floats in [0, 1] with "
                          f"(x * 255).round().clip(0, 255).astype(np.uint8)")
     return images
@@ -1291,31 +749,13 @@ def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=Tr
 
 def _is_statistics_file(source):
     return (source.endswith(".npz") and os.path.isfile(source)
-            and len(read_npz(source, ["mu", "sigma"])) == 2)
-
-
-def random_weights(build, seed=0):
-    """The module that `build` makes, with random values drawn on the host rather than by its
-    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a
-    minute to compile the initialisers of the InceptionV3 or of the SD VAE on a 2-core CPU. Arrays
-    of two or more dimensions (kernels) are normal with variance 1 / fan-in, the product of all but
-    their last dimension; vectors (biases, norm scales, BatchNorm statistics) are ones."""
-    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
-    rng = np.random.default_rng(seed)
-
-    def draw(leaf):  # jax.ShapeDtypeStruct -> array
-        if len(leaf.shape) < 2:
-            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
-        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
-        return jnp.asarray(kernel, leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree.map(draw, state))
+            and len(dit.read_npz(source, ["mu", "sigma"])) == 2)
 
 
 def benchmark(batch_sizes, image_size=256, steps=5):
     """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not
     depend on them). Each step is timed from host uint8 images to features on the device."""
-    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    inception = dit.random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
     devices = jax.device_count()
     print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} "
           f"uint8 inputs resized to 299x299")
@@ -1337,25 +777,8 @@ def benchmark(batch_sizes, image_size=256, steps=5):
         print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
 
 
-def _at_least(minimum):
-    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
-    def whole_number(text):
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
-                                             f"{text!r}")
-        return value
-    return whole_number
-
-
-positive_int, non_negative_int = _at_least(1), _at_least(0)
-
-
 def _positive_ints(text):
-    return [positive_int(part) for part in text.split(",")]
+    return [dit.positive_int(part) for part in text.split(",")]
 
 
 def main(argv=None):
@@ -1375,13 +798,13 @@ def main(argv=None):
     score.add_argument("source")
     for command in (stats, distance, score):
         command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, "
-                             f"else download)")
-        command.add_argument("--batch-size", type=positive_int, default=128,
+                             f"else dit.download)")
+        command.add_argument("--batch-size", type=dit.positive_int, default=128,
                              help="images per device per step")
     bench = commands.add_parser("bench", help="images/s of the feature extractor")
     bench.add_argument("--batch-sizes", type=_positive_ints, default=None,
                        help="per-device batch sizes, comma-separated")
-    bench.add_argument("--image-size", type=positive_int, default=256)
+    bench.add_argument("--image-size", type=dit.positive_int, default=256)
     args = parser.parse_args(argv)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
 
@@ -1403,7 +826,7 @@ def main(argv=None):
 
     if args.command == "stats":
         if _is_statistics_file(args.source):
-            raise InputError(f"{args.source} already holds statistics (mu, sigma); give images to "
+            raise dit.InputError(f"{args.source} already holds statistics (mu, sigma); give images to "
                              f"compute them from")
         mu, sigma, _ = statistics(args.source)
         if jax.process_index() == 0:
@@ -1418,5 +841,6 @@ def main(argv=None):
         say(f"Inception Score: {mean:.4f} +- {std:.4f} (10 splits)")
 
 
-if __name__ == "__main__":
-    run_cli(main)
+# As a script; pasted into a notebook cell (no __file__ there), it only defines its functions.
+if __name__ == "__main__" and "__file__" in globals():
+    dit.run_cli(main)

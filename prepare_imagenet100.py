@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import fid
+import dit
 from dit import load_image, load_vae, read_json, write_atomically
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
@@ -79,7 +80,7 @@ def find_images(src, split, classes=None):
     if classes is None:
         classes = sorted(class_dirs)
     elif extra := sorted(set(class_dirs) - set(classes)):
-        raise fid.InputError(f"{split} has class folders that the training split lacks: {extra}; "
+        raise dit.InputError(f"{split} has class folders that the training split lacks: {extra}; "
                              f"prepare the training split again with them, or {split} into "
                              f"another output folder")
     warnings, files, labels = [], [], []
@@ -188,9 +189,9 @@ def open_partial(path, mode, dtype, shape):
     try:
         array = np.lib.format.open_memmap(path, mode, dtype, shape)
     except ValueError as e:  # a damaged header, or a file shorter than its header says
-        raise fid.InputError(f"{path} from an interrupted run is damaged ({e}); {fix}") from None
+        raise dit.InputError(f"{path} from an interrupted run is damaged ({e}); {fix}") from None
     if array.dtype != dtype or array.shape != shape:
-        raise fid.InputError(f"{path} from an interrupted run holds {array.dtype} {array.shape}, "
+        raise dit.InputError(f"{path} from an interrupted run holds {array.dtype} {array.shape}, "
                              f"not {np.dtype(dtype)} {shape}; {fix}")
     return array
 
@@ -202,17 +203,17 @@ def parse_args(argv):
                    "class-folder tree")
     p.add_argument("out", help="output folder (the val split goes into OUT/val)")
     p.add_argument("--split", choices=["train", "val"], default="train")
-    p.add_argument("--resolution", type=fid.positive_int, default=256,
+    p.add_argument("--resolution", type=dit.positive_int, default=256,
                    help="centre-crop size the VAE encodes")
-    p.add_argument("--pixels", type=fid.positive_int, metavar="R",
+    p.add_argument("--pixels", type=dit.positive_int, metavar="R",
                    help="store uint8 R x R images instead of latents (no VAE)")
     p.add_argument("--vae", default="ema",
                    help="'ema', 'mse', a diffusers VAE folder or a weight file")
-    p.add_argument("--batch-size", type=fid.positive_int, default=32,
+    p.add_argument("--batch-size", type=dit.positive_int, default=32,
                    help="global encoding batch (a multiple of the device count)")
-    p.add_argument("--chunk-size", type=fid.positive_int, default=2048,
+    p.add_argument("--chunk-size", type=dit.positive_int, default=2048,
                    help="images per resumable chunk")
-    p.add_argument("--workers", type=fid.positive_int, default=os.cpu_count(),
+    p.add_argument("--workers", type=dit.positive_int, default=os.cpu_count(),
                    help="image-decoding threads")
     p.add_argument("--no-fid", action="store_true", help="skip the FID reference statistics")
     p.add_argument("--inception",
@@ -256,7 +257,7 @@ def main(argv=None):
         diff = {k: (manifest["settings"].get(k), v) for k, v in settings.items()
                 if manifest["settings"].get(k) != v}
         which = "a finished" if manifest.get("complete") else "an unfinished"
-        raise fid.InputError(f"{out} holds {which} run with other settings {diff} (old, new); "
+        raise dit.InputError(f"{out} holds {which} run with other settings {diff} (old, new); "
                              f"rerun with the old arguments, or use another output folder (or "
                              f"delete {out}) to start over")
     if manifest and manifest.get("complete"):
@@ -271,7 +272,7 @@ def main(argv=None):
         vae = load_vae(args.vae)
         f = 2 ** (len(vae.cfg.block_out_channels) - 1)
         if size % f:
-            raise fid.InputError(f"--resolution {size} is not a multiple of the VAE's downsampling "
+            raise dit.InputError(f"--resolution {size} is not a multiple of the VAE's downsampling "
                                  f"factor {f}; pick one that is")
         latent_shape = [size // f, size // f, vae.cfg.latent_channels]
         name, dtype, row_shape = ("latents", np.float16,
@@ -370,7 +371,7 @@ def write_outputs(out, name, files, labels, classes, names, arrays, manifest, ma
     kept = np.flatnonzero([f not in skipped for f in files])
     if not len(kept):
         source = manifest["settings"]["source"]
-        raise fid.InputError(f"none of the {len(files)} files under {source} could be read; the "
+        raise dit.InputError(f"none of the {len(files)} files under {source} could be read; the "
                              f"skipped files and why are in manifest.json")
     rows = arrays[name]
     final = np.lib.format.open_memmap(os.path.join(out, f"{name}.npy"), "w+", rows.dtype,
@@ -414,4 +415,4 @@ def print_summary(args, out, manifest):
 
 
 if __name__ == "__main__":
-    fid.run_cli(main)
+    dit.run_cli(main)

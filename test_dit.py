@@ -52,7 +52,7 @@ import prepare_imagenet100
 from dit import (AutoencoderKL, center_crop_arr, Dataset, GaussianDiffusion, load_dataset, load_vae,
                  load_vae_weights, Loader, read_idx, read_safetensors, RectifiedFlow,
                  space_timesteps, vae_torch_names, VAEConfig)
-from fid import UnsafePickleError
+from dit import UnsafePickleError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,7 +120,7 @@ sys.path.insert(0, {here!r})
 import dit, fid
 dit.DIT_SIZES["T"] = dict(hidden_size=32, depth=2, num_heads=2)
 {patch}
-fid.run_cli(dit.main)
+dit.run_cli(dit.main)
 """
 
 
@@ -1204,7 +1204,7 @@ def test_load_vae_bad_sources(tmp_path, monkeypatch):
     def offline(url, timeout=None):
         raise OSError("network is unreachable")
     monkeypatch.setattr("urllib.request.urlopen", offline)
-    with pytest.raises(fid.InputError, match="by hand into"):
+    with pytest.raises(dit.InputError, match="by hand into"):
         load_vae("ema", cache_dir=str(tmp_path / "cache"))
     assert not any(".part" in p.name or p.is_file() for p in (tmp_path / "cache").rglob("*"))
 
@@ -1233,7 +1233,7 @@ def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
 
 
 def test_load_vae_bin_goes_through_torch_reader(tmp_path):
-    """A .bin state dict is read with fid.load_torch; one of the wrong model (DiT's) is refused by
+    """A .bin state dict is read with dit.load_torch; one of the wrong model (DiT's) is refused by
     key names."""
     shutil.copy(os.path.join(fixture("vae_reference"), "config.json"), tmp_path / "config.json")
     shutil.copy(fixture("dit_reference.pt"), tmp_path / "diffusion_pytorch_model.bin")
@@ -1348,12 +1348,12 @@ def test_download_verifies_checksum(tmp_path, monkeypatch):
     payload = os.urandom(3000)
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: FakeResponse(payload))
     path = tmp_path / "sub" / "file.bin"
-    fid.download("https://example.invalid/file.bin", str(path), hashlib.md5(payload).hexdigest(),
+    dit.download("https://example.invalid/file.bin", str(path), hashlib.md5(payload).hexdigest(),
                  "md5")
     assert path.read_bytes() == payload
     bad = tmp_path / "bad.bin"
     with pytest.raises(ValueError, match="corrupted"):
-        fid.download("https://example.invalid/file.bin", str(bad), "0" * 32, "md5")
+        dit.download("https://example.invalid/file.bin", str(bad), "0" * 32, "md5")
     # neither the file nor a partial one is left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
@@ -2206,10 +2206,10 @@ def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
 ])
 def test_command_line_mistakes_are_named(tmp_path, folder_data, argv, message):
     """A notebook calling main() gets an InputError with the message; the command line prints it
-    alone (fid.run_cli)."""
+    alone (dit.run_cli)."""
     if argv[0].startswith("--"):  # training options
         argv = train_args(folder_data, tmp_path / "run", 2, argv)
-    with pytest.raises(fid.InputError, match=message):
+    with pytest.raises(dit.InputError, match=message):
         dit.main(argv)
 
 
@@ -2219,7 +2219,7 @@ def test_command_line_mistakes_are_named(tmp_path, folder_data, argv, message):
     (["--final-fid", "-10"], 0), (["--val-images", "-8"], 0), (["bench", "--fid", "-1"], 0),
     (["sample", "--ckpt", "x.npz", "--fid", "-5"], 0)])
 def test_counts_out_of_range_are_refused_by_the_parser(argv, least, capsys):
-    """Counts (fid.positive_int) and counts where 0 means none (fid.non_negative_int)."""
+    """Counts (dit.positive_int) and counts where 0 means none (dit.non_negative_int)."""
     with pytest.raises(SystemExit) as info:
         dit.main(argv)
     assert info.value.code == 2
@@ -2231,7 +2231,7 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
     """A rectified-flow model has no DDPM samplers, and a model trained without label dropout no
     null label to guide with: both are refused before sampling."""
     ckpt = dit.list_checkpoints(straight_run)[-1]
-    with pytest.raises(fid.InputError, match="--sampler ddim is not a sampler of this model's "
+    with pytest.raises(dit.InputError, match="--sampler ddim is not a sampler of this model's "
                                              "objective \\(rf\\); use euler or heun"):
         dit.main(["sample", "--ckpt", ckpt, "--sampler", "ddim"])
     meta, arrays = dit.read_checkpoint(ckpt)
@@ -2239,7 +2239,7 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
     table = "ema.y_embedder.embedding_table.embedding"
     arrays[table] = arrays[table][:-1]  # no null row
     np.savez(tmp_path / "no_null.npz", __meta__=np.array(json.dumps(meta)), **arrays)
-    with pytest.raises(fid.InputError, match="no null label to guide with; use --cfg-scale 1"):
+    with pytest.raises(dit.InputError, match="no null label to guide with; use --cfg-scale 1"):
         dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--cfg-scale", "1.5"])
 
 
@@ -2385,7 +2385,7 @@ def test_torch_handbuilt_checkpoint(tmp_path, fmt):
     path = str(tmp_path / "ckpt.pt")
     (_write_zip(path, obj, storages) if fmt == "zip"
      else _write_legacy(path, obj, storages, itemsizes))
-    ckpt = fid.load_torch(path)
+    ckpt = dit.load_torch(path)
     for name, (want, dtype) in expected.items():
         got = ckpt["model"][name]
         assert got.shape == want.shape and got.dtype == dtype, name
@@ -2397,7 +2397,7 @@ def test_torch_handbuilt_checkpoint(tmp_path, fmt):
 
 
 def test_torch_zip_dit_reference():
-    sd = fid.load_torch(fixture("dit_reference.pt"))
+    sd = dit.load_torch(fixture("dit_reference.pt"))
     config = json.loads(str(np.load(fixture("dit_reference.npz"))["config"]))
     hidden, p, c = config["hidden_size"], config["patch_size"], config["in_channels"]
     assert sd["x_embedder.proj.weight"].shape == (hidden, c, p, p)
@@ -2420,7 +2420,7 @@ def test_torch_zip_dit_reference():
 
 
 def test_torch_legacy_inception_keys():
-    sd = fid.load_torch(fixture("inception_fid_random.pth"))
+    sd = dit.load_torch(fixture("inception_fid_random.pth"))
     keys = json.load(open(fixture("pt_inception_keys.json")))
     assert set(sd) == set(keys) and len(keys) == 566
     dtypes = {"FloatStorage": np.float32, "LongStorage": np.int64}
@@ -2434,21 +2434,21 @@ def test_torch_legacy_inception_keys():
 def test_torch_refuses_malicious_pickle(tmp_path):
     marker = tmp_path / "pwned"
     payload = pickle.dumps(RunsCommand(marker), protocol=2)
-    with pytest.raises(fid.UnsafePickleError, match="system"):
-        fid.safe_unpickle(io.BytesIO(payload), {})
+    with pytest.raises(dit.UnsafePickleError, match="system"):
+        dit.safe_unpickle(io.BytesIO(payload), {})
     # The same call hidden in a state dict, in both torch file formats.
     evil = {"weight": _Call(_Global("os", "system"), f"touch {marker}")}
     _write_zip(str(tmp_path / "evil.pt"), evil, {})
     _write_legacy(str(tmp_path / "evil.pth"), evil, {}, {})
     for name in ("evil.pt", "evil.pth"):
-        with pytest.raises(fid.UnsafePickleError, match="os.system.*malicious"):
-            fid.load_torch(str(tmp_path / name))
+        with pytest.raises(dit.UnsafePickleError, match="os.system.*malicious"):
+            dit.load_torch(str(tmp_path / name))
     # Allowing a harmless global does not open the door to others.
     allowed = {("collections", "OrderedDict"): dict}
-    assert fid.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("collections", "OrderedDict")))),
+    assert dit.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("collections", "OrderedDict")))),
                              allowed) == {}
-    with pytest.raises(fid.UnsafePickleError):
-        fid.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("builtins", "eval"), "1"))), allowed)
+    with pytest.raises(dit.UnsafePickleError):
+        dit.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("builtins", "eval"), "1"))), allowed)
     assert not marker.exists()
 
 
@@ -2474,7 +2474,7 @@ def test_torch_damaged_files_give_clear_errors(tmp_path):
         path = tmp_path / ("case_" + name)
         path.write_bytes(raw)
         with pytest.raises(ValueError, match=message) as info:
-            fid.load_torch(str(path))
+            dit.load_torch(str(path))
         assert str(path) in str(info.value), name
 
 
@@ -2483,7 +2483,7 @@ def test_torch_tensor_outside_its_storage_is_refused(tmp_path):
     obj = {"w": _tensor("FloatStorage", "0", 4, 2, (3,), (1,))}
     _write_zip(str(tmp_path / "oob.pt"), obj, {"0": np.zeros(4, np.float32).tobytes()})
     with pytest.raises(ValueError, match="reaches element 4"):
-        fid.load_torch(str(tmp_path / "oob.pt"))
+        dit.load_torch(str(tmp_path / "oob.pt"))
 
 
 def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
@@ -2493,8 +2493,8 @@ def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
     with zipfile.ZipFile(tmp_path / "build.pt", "w") as z:
         z.writestr("ckpt/data.pkl", evil)
     with pytest.raises(UnsafePickleError, match="modify"):
-        fid.load_torch(str(tmp_path / "build.pt"))
-    pos_embed = fid.load_torch(fixture("dit_reference.pt"))["pos_embed"]
+        dit.load_torch(str(tmp_path / "build.pt"))
+    pos_embed = dit.load_torch(fixture("dit_reference.pt"))["pos_embed"]
     grid = int(np.sqrt(pos_embed.shape[1]))
     np.testing.assert_allclose(pos_embed[0], dit.sincos_pos_embed_2d(pos_embed.shape[-1], grid),
                                atol=1e-6)
@@ -2503,14 +2503,14 @@ def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
                {"w": _tensor("FloatStorage", "0", 1, 0, (10 ** 5, 10 ** 5), (0, 0))},
                {"0": np.zeros(1, np.float32).tobytes()})
     with pytest.raises(ValueError, match="more elements than its storage"):
-        fid.load_torch(str(tmp_path / "expand.pt"))
+        dit.load_torch(str(tmp_path / "expand.pt"))
     # torch never compresses storages; a compressed one could be a zip bomb.
     with zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("ckpt/data.pkl", _pickle({"w": _tensor("FloatStorage", "0", 4, 0, (4,), (1,))}),
                    compress_type=zipfile.ZIP_STORED)
         z.writestr("ckpt/data/0", np.zeros(4, np.float32).tobytes())
     with pytest.raises(ValueError, match="compressed"):
-        fid.load_torch(str(tmp_path / "bomb.pt"))
+        dit.load_torch(str(tmp_path / "bomb.pt"))
 
 
 #################################################################################
@@ -2577,7 +2577,7 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception):
     # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's
     # minus fc.bias.
     expected_is = fid.inception_score(
-        logits - fid.load_torch(fixture("inception_fid_random.pth"))["fc.bias"])[0]
+        logits - dit.load_torch(fixture("inception_fid_random.pth"))["fc.bias"])[0]
     # The score sits close to 1 with random weights, so compare what lies above 1.
     assert (expected_is > 1.0001
             and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1))
@@ -2689,7 +2689,7 @@ def test_fid_load_inception_rejects_wrong_weights(tmp_path):
     # No "not the official weights" warning before the error: a failed run ends in its one line.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(fid.InputError,
+        with pytest.raises(dit.InputError,
                            match="not pytorch-fid's FID Inception weights.*missing.*Conv2d_1a_3x3"):
             fid.load_inception(fixture("dit_reference.pt"), cache_dir=str(tmp_path))
     assert not [w for w in caught if "official" in str(w.message)]
@@ -3228,7 +3228,7 @@ def test_command_refuses_in_one_line(hostile, case):
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
 def test_command_refuses_in_one_line_in_process(hostile, case, monkeypatch):
-    """Each case through its command's main and fid.run_cli, what `python SCRIPT` runs. The CIFAR-10
+    """Each case through its command's main and dit.run_cli, what `python SCRIPT` runs. The CIFAR-10
     cap is lowered to 4 MiB here, so that the bomb stays within the bound tracemalloc checks (in
     its own process, under the real cap, the bomb is checked against MEMORY_BOUND_KIB)."""
     script, args, named, says = _command(hostile, case)
@@ -3241,7 +3241,7 @@ def test_command_refuses_in_one_line_in_process(hostile, case, monkeypatch):
     tracemalloc.start()
     try:
         with pytest.raises(SystemExit) as info:
-            fid.run_cli(main, args)
+            dit.run_cli(main, args)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -3255,7 +3255,7 @@ def test_command_refuses_in_one_line_in_process(hostile, case, monkeypatch):
 #################################################################################
 
 
-def _refused(read, path, says, error=fid.InputError):
+def _refused(read, path, says, error=dit.InputError):
     """Require `read(path)` to refuse the file, naming it and saying `says`, with at most 16 MiB
     allocated on the way (tracemalloc counts what numpy and pickle ask for, even memory never
     touched)."""
@@ -3290,11 +3290,11 @@ def test_hand_written_files_are_read_when_honest(tmp_path):
     _write_zip(tmp_path / "good.pt", state_dict, {"0": values.tobytes()})
     _write_legacy(tmp_path / "good.pth", state_dict, {"0": values.tobytes()}, {"0": 4})
     for name in ("good.pt", "good.pth"):
-        got = fid.load_torch(str(tmp_path / name))["w"]
+        got = dit.load_torch(str(tmp_path / name))["w"]
         np.testing.assert_array_equal(got, values.reshape(2, 3))
     write_zip_entries(tmp_path / "good.npz", [("a.npy", npy_header((2, 3), np.float32)
                                                + values.tobytes())])
-    got = fid.read_npz(str(tmp_path / "good.npz"))["a"]
+    got = dit.read_npz(str(tmp_path / "good.npz"))["a"]
     np.testing.assert_array_equal(got, values.reshape(2, 3))
     # Every entry of the overlapping zip reads with plain zipfile, together several times the file.
     write_overlapping_zip(tmp_path / "overlap.zip", [], ["a", "b", "c"], bytes(10000))
@@ -3320,42 +3320,42 @@ def test_torch_reader_refuses_code_in_every_form(hostile, tmp_path):
         _write_legacy(tmp_path / f"{name}_legacy.pth", {"w": _Pickled(raw)}, {}, {})
         _write_zip(tmp_path / f"{name}_zip.pt", {"w": _Pickled(raw)}, {})
         for path in (f"{name}.pt", f"{name}_legacy.pth", f"{name}_zip.pt"):
-            _refused(fid.load_torch, tmp_path / path, re.escape(names[name]),
-                     fid.UnsafePickleError)
+            _refused(dit.load_torch, tmp_path / path, re.escape(names[name]),
+                     dit.UnsafePickleError)
     assert not marker.exists() and not os.path.exists(hostile["marker"])
 
 
 def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
-    _refused(fid.load_torch, hostile["zip_numel_2_40.pt"], f"claims {1 << 40} elements")
-    _refused(fid.load_torch, hostile["legacy_numel_2_60.pth"], f"claims {1 << 60} elements")
-    _refused(fid.load_torch, hostile["bytes8_8GiB.pt"], f"expected {1 << 33} bytes")
-    _refused(fid.load_torch, hostile["empty.pt"], "empty")
+    _refused(dit.load_torch, hostile["zip_numel_2_40.pt"], f"claims {1 << 40} elements")
+    _refused(dit.load_torch, hostile["legacy_numel_2_60.pth"], f"claims {1 << 60} elements")
+    _refused(dit.load_torch, hostile["bytes8_8GiB.pt"], f"expected {1 << 33} bytes")
+    _refused(dit.load_torch, hostile["empty.pt"], "empty")
     # The count before a legacy storage's bytes disagrees with the pickle.
     _write_legacy(tmp_path / "count.pth", {"w": _tensor("FloatStorage", "0", 4, 0, (4,), (1,))},
                   {"0": bytes(16)}, {"0": 4})
     raw = (tmp_path / "count.pth").read_bytes()
     (tmp_path / "count.pth").write_bytes(raw[:-24] + struct.pack("<q", 1 << 60) + raw[-16:])
-    _refused(fid.load_torch, tmp_path / "count.pth", f"holds {1 << 60} elements where 4")
+    _refused(dit.load_torch, tmp_path / "count.pth", f"holds {1 << 60} elements where 4")
     # One memo index makes the unpickler allocate and zero twice as many 8-byte slots: 256 MiB
     # here, enough to fail the bound without straining the machine should the check go (an index
     # of 2**30 takes 16 GiB).
     bomb = b"\x80\x02N" + b"r" + struct.pack("<I", 1 << 24) + b"."
     (tmp_path / "memo.pt").write_bytes(bomb)
     _write_zip(tmp_path / "memo_zip.pt", _Pickled(bomb), {})
-    _refused(fid.load_torch, tmp_path / "memo.pt", f"memo index {1 << 24}")
-    _refused(fid.load_torch, tmp_path / "memo_zip.pt", f"memo index {1 << 24}")
+    _refused(dit.load_torch, tmp_path / "memo.pt", f"memo index {1 << 24}")
+    _refused(dit.load_torch, tmp_path / "memo_zip.pt", f"memo index {1 << 24}")
     _write_zip(tmp_path / "bytes8_zip.pt",
                _Pickled(b"\x80\x04\x8e" + struct.pack("<Q", 1 << 40) + b"x."), {})
-    _refused(fid.load_torch, tmp_path / "bytes8_zip.pt", f"expected {1 << 40} bytes")
+    _refused(dit.load_torch, tmp_path / "bytes8_zip.pt", f"expected {1 << 40} bytes")
     # torch never compresses: a deflated data.pkl could expand a thousandfold.
     with zipfile.ZipFile(tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("ckpt/data.pkl", _pickle({}))
-    _refused(fid.load_torch, tmp_path / "deflated.pt", "data.pkl is compressed")
+    _refused(dit.load_torch, tmp_path / "deflated.pt", "data.pkl is compressed")
     # A data.pkl whose directory entry claims more bytes than the file holds.
     with zipfile.ZipFile(tmp_path / "long_pkl.pt", "w") as z:
         z.writestr("ckpt/data.pkl", _pickle({}))
         z.infolist()[0].file_size = 1 << 40
-    _refused(fid.load_torch, tmp_path / "long_pkl.pt", f"claims {1 << 40} bytes")
+    _refused(dit.load_torch, tmp_path / "long_pkl.pt", f"claims {1 << 40} bytes")
     # Storages whose zip entries overlap: each holds the next, the file holds them once.
     kernel = np.ones(4000, np.float32).tobytes()
     outer = (30 + len("archive/data/1") + len(kernel)) // 4  # 0 holds 1's local header too
@@ -3363,34 +3363,34 @@ def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
                    "b": _tensor("FloatStorage", "1", 4000, 0, (4000,), (1,))})
     write_overlapping_zip(tmp_path / "overlap.pt", [("archive/data.pkl", pkl)],
                           ["archive/data/0", "archive/data/1"], kernel)
-    _refused(fid.load_torch, tmp_path / "overlap.pt", "more than the file holds")
+    _refused(dit.load_torch, tmp_path / "overlap.pt", "more than the file holds")
     # Many tensors viewing one storage: each costs the pickle a few bytes, and memory its size.
     _write_zip(tmp_path / "views.pt",
                {f"v{i}": _tensor("FloatStorage", "0", 4000, 0, (4000,), (1,)) for i in range(200)},
                {"0": kernel})
-    _refused(fid.load_torch, tmp_path / "views.pt", "8 times the file's size")
+    _refused(dit.load_torch, tmp_path / "views.pt", "8 times the file's size")
 
 
 def test_npz_reader_checks_every_claim_before_allocating(hostile, tmp_path):
-    _refused(fid.read_npz, hostile["object.npz"], "objects")
-    _refused(fid.read_npz, hostile["header_2_40.npz"], r"claims shape \(1099511627776,\)")
-    _refused(fid.read_npz, hostile["truncated.npz"], "not a readable .npz")
+    _refused(dit.read_npz, hostile["object.npz"], "objects")
+    _refused(dit.read_npz, hostile["header_2_40.npz"], r"claims shape \(1099511627776,\)")
+    _refused(dit.read_npz, hostile["truncated.npz"], "not a readable .npz")
     write_zip_entries(tmp_path / "negative.npz", [("a.npy", npy_header((-2, -3), np.uint8)
                                                    + bytes(6))])
-    _refused(fid.read_npz, tmp_path / "negative.npz", r"claims shape \(-2, -3\)")
+    _refused(dit.read_npz, tmp_path / "negative.npz", r"claims shape \(-2, -3\)")
     write_zip_entries(tmp_path / "v3.npz", [("a.npy", b"\x93NUMPY\x03\x00" + bytes(8))])
-    _refused(fid.read_npz, tmp_path / "v3.npz", r"format \(3, 0\)")
+    _refused(dit.read_npz, tmp_path / "v3.npz", r"format \(3, 0\)")
     (tmp_path / "pickle.npz").write_bytes(payloads(tmp_path / "MARKER")["global_reduce"])
-    _refused(fid.read_npz, tmp_path / "pickle.npz", "not a readable .npz")
+    _refused(dit.read_npz, tmp_path / "pickle.npz", "not a readable .npz")
     # A deflated entry cannot expand more than 1032-fold.
     with zipfile.ZipFile(tmp_path / "deflate.npz", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("a.npy", npy_header((8,), np.uint8) + bytes(8))
         z.infolist()[0].file_size = 1 << 40
-    _refused(fid.read_npz, tmp_path / "deflate.npz", f"claims {1 << 40} bytes")
+    _refused(dit.read_npz, tmp_path / "deflate.npz", f"claims {1 << 40} bytes")
     # Entries that overlap: the innermost is a good array, the next holds it once more.
     kernel = npy_header((4000,), np.float64) + bytes(32000)
     write_overlapping_zip(tmp_path / "overlap.npz", [], ["b.npy", "a.npy"], kernel)
-    _refused(fid.read_npz, tmp_path / "overlap.npz", "more than the file holds")
+    _refused(dit.read_npz, tmp_path / "overlap.npz", "more than the file holds")
     assert not (tmp_path / "MARKER").exists()
 
 
@@ -3400,12 +3400,12 @@ def test_npz_reader_reads_what_numpy_writes(tmp_path):
               "scalar": np.array("text"), "record": np.zeros(2, [("x", "<f4"), ("y", "u1")])}
     for save in (np.savez, np.savez_compressed):
         save(tmp_path / "a.npz", **arrays)
-        got = fid.read_npz(str(tmp_path / "a.npz"))
+        got = dit.read_npz(str(tmp_path / "a.npz"))
         assert set(got) == set(arrays)
         for name, want in arrays.items():
             assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
             np.testing.assert_array_equal(got[name], want)
-        assert set(fid.read_npz(str(tmp_path / "a.npz"), ["f", "absent"])) == {"f"}
+        assert set(dit.read_npz(str(tmp_path / "a.npz"), ["f", "absent"])) == {"f"}
 
 
 def test_safetensors_reader_checks_every_claim_before_allocating(hostile, tmp_path):
@@ -3502,7 +3502,7 @@ def test_cifar_reader_calls_nothing_and_reads_no_more_than_cifar_holds(hostile, 
         return path
     _refused(load, hostile["cifar_bomb/cifar-10-python.tar.gz"], f"more than {4 << 20} bytes")
     _refused(load, hostile["cifar_code/cifar-10-python.tar.gz"], "subprocess.call",
-             fid.UnsafePickleError)
+             dit.UnsafePickleError)
     # tarfile reads a pax header whole, whatever size it claims
     pax = tar_member("PaxHeaders/a", 1 << 40, tarfile.XHDTYPE)
     _refused(load, archive("pax", pax + bytes(1024)), f"more than {4 << 20} bytes")
@@ -3562,7 +3562,7 @@ def test_statistics_and_images_name_the_file(tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(20))
-    with pytest.raises(fid.InputError, match=re.escape(str(folder / "broken.png"))):
+    with pytest.raises(dit.InputError, match=re.escape(str(folder / "broken.png"))):
         fid.load_images(str(folder))
 
 
@@ -3574,7 +3574,7 @@ def test_prepare_names_damaged_inputs_and_outputs(tmp_path, monkeypatch):
     args = [str(src), str(out), "--pixels", "8", "--no-fid"]
 
     def refused(path, says, extra=()):
-        with pytest.raises(fid.InputError, match=re.escape(str(path)) + ".*" + says):
+        with pytest.raises(dit.InputError, match=re.escape(str(path)) + ".*" + says):
             prepare_imagenet100.main(args + list(extra))
 
     (src / "Labels.json").write_text('["tench"]')
@@ -3609,11 +3609,11 @@ def test_run_cli_prints_one_line_for_the_user_and_a_traceback_for_bugs():
         return main
 
     with pytest.raises(SystemExit) as info:
-        fid.run_cli(fails(fid.InputError("a.npz is bad:\nthe library said\nso")))
+        dit.run_cli(fails(dit.InputError("a.npz is bad:\nthe library said\nso")))
     assert info.value.code == "error: a.npz is bad: the library said so"
     with pytest.raises(SystemExit) as info:
-        fid.run_cli(fails(FileNotFoundError(2, "No such file or directory", "b.npz")))
+        dit.run_cli(fails(FileNotFoundError(2, "No such file or directory", "b.npz")))
     assert info.value.code == "error: b.npz: No such file or directory"
     with pytest.raises(KeyError):  # a bug: not caught, so Python prints its traceback
-        fid.run_cli(fails(KeyError("x")))
-    assert fid.run_cli(lambda argv: ("ran", argv), ["--flag"]) == ("ran", ["--flag"])
+        dit.run_cli(fails(KeyError("x")))
+    assert dit.run_cli(lambda argv: ("ran", argv), ["--flag"]) == ("ran", ["--flag"])
