@@ -67,7 +67,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
-from tqdm.auto import tqdm
+with warnings.catch_warnings():  # without ipywidgets, tqdm.auto says so and draws text bars
+    warnings.simplefilter("ignore")
+    from tqdm.auto import tqdm
 
 # Run as a script or pasted into a notebook cell, this code registers itself as `dit`, so that
 # fid.py's `import dit` finds it rather than loading a second copy (with a second InputError).
@@ -2355,6 +2357,55 @@ def open_run(args, cfg, ds):
     return checkpoint, meta
 
 
+class TensorBoard:
+    """The records of metrics.jsonl and the sample grids as TensorBoard event files in
+    RUN_DIR/tensorboard (`%tensorboard --logdir runs` in a notebook), through the tensorboard
+    package, which Colab and Kaggle ship, when it is installed; without it, one line says so and
+    metrics.jsonl holds the same figures."""
+
+    def __init__(self, run_dir, start):
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:
+            print("note: the tensorboard package is not installed; the figures go to "
+                  "metrics.jsonl only")
+            self.writer = None
+            return
+        self.event, self.summary = event_pb2.Event, summary_pb2.Summary
+        self.writer = EventFileWriter(os.path.join(run_dir, "tensorboard"))
+        # A resumed run: TensorBoard drops what an earlier process logged after `start`, as
+        # MetricsLog drops it from metrics.jsonl.
+        start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self.writer.add_event(self.event(wall_time=time.time(), step=start, session_log=start_log))
+
+    def write(self, step, values):
+        if self.writer:
+            self.writer.add_event(self.event(wall_time=time.time(), step=step,
+                                             summary=self.summary(value=values)))
+            self.writer.flush()
+
+    def scalars(self, record):
+        """One scalar per number of the record; a nested figure (loss_t) as "loss_t/0.00-0.25"."""
+        if self.writer:
+            flat = {}
+            for key, value in record.items():
+                for name, v in (value.items() if isinstance(value, dict) else [(None, value)]):
+                    if isinstance(v, (int, float)) and key != "step":
+                        flat[key if name is None else f"{key}/{name}"] = float(v)
+            self.write(record["step"], [self.summary.Value(tag=k, simple_value=v)
+                                        for k, v in flat.items()])
+
+    def image(self, step, grid):
+        if self.writer:
+            png = io.BytesIO()
+            grid.save(png, format="PNG")
+            image = self.summary.Image(height=grid.height, width=grid.width,
+                                       colorspace=len(grid.getbands()),
+                                       encoded_image_string=png.getvalue())
+            self.write(step, [self.summary.Value(tag="samples", image=image)])
+
+
 class MetricsLog:
     """metrics.jsonl of a run, one JSON record per line, written by process 0. A run resumed at
     `start` first drops the records of later steps (and a line a crash cut short), so each step
@@ -2365,6 +2416,8 @@ class MetricsLog:
         self.path, self.batch_size, self.schedule = (os.path.join(run_dir, "metrics.jsonl"),
                                                      batch_size, schedule)
         self.pending, self.t0 = [], time.perf_counter()
+        self.last = {}  # the newest value of each figure, for the summary of the run
+        self.board = TensorBoard(run_dir, start) if jax.process_index() == 0 else None
         if jax.process_index() == 0 and os.path.exists(self.path):
             kept = []
             # A line that a crash cut short, or that is not a record, is dropped with the rest.
@@ -2380,9 +2433,14 @@ class MetricsLog:
             write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
 
     def write(self, record):
+        self.last |= record
         if jax.process_index() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            self.board.scalars(record)
+
+    def image(self, step, grid):
+        self.board.image(step, grid)
 
     def add(self, metrics):
         self.pending.append(metrics)
@@ -2427,6 +2485,17 @@ class MetricsLog:
         t = time.perf_counter()
         yield
         self.t0 += time.perf_counter() - t
+
+
+@dataclasses.dataclass
+class Run:
+    """What training returns: where the run is and how it stands, which a notebook shows as one
+    line; `state` (parameters, EMA, optimizer, step) for code that goes on from it."""
+    run_dir: str
+    step: int
+    loss: float | None
+    fid: float | None
+    state: dict = dataclasses.field(repr=False)
 
 
 def train(args):
@@ -2478,7 +2547,7 @@ def train(args):
             # The checkpoint last: a run resumed from it keeps the records of its step.
             with log.paused():
                 if done % args.sample_every == 0 or done == args.steps:
-                    evaluator.grid(state["ema"], done)
+                    evaluator.grid(state["ema"], done, log)
                 if args.val_images and (done % args.val_every == 0 or done == args.steps):
                     evaluator.validation(state["ema"], done, log)
                 if args.fid_every and done % args.fid_every == 0:
@@ -2493,7 +2562,8 @@ def train(args):
         print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], out))
     if args.final_fid:
         evaluator.fid(state["ema"], args.steps, args.final_fid, log)
-    return state
+    return Run(args.run_dir, int(to_host(state["step"])), log.last.get("loss"),
+               log.last.get("fid"), state)
 
 
 #################################################################################
@@ -2582,8 +2652,11 @@ def make_grid(images, nrow=None):
 
 
 def save_grid(images, path):
+    """Save the grid of `images` as a PNG and return it (a notebook shows a returned image)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    make_grid(images).save(path)
+    grid = make_grid(images)
+    grid.save(path)
+    return grid
 
 
 # Images each device decodes at a time. The SD VAE decoder's largest activation, the 256-channel
@@ -2746,6 +2819,8 @@ class Evaluator:
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
             self.ref = os.path.join(data_dir, "fid_stats.npz")
+        if self.fid_sampler and self.ref and os.path.exists(self.ref):
+            fid_module()  # a run that will need fid.py says so before it trains, not after
         # The held-out samples, their latent noise and the noise of the loss are fixed (seed 0),
         # whatever the run's seed: every evaluation of every run measures the same thing.
         k, batch = len(held_out), NamedSharding(mesh, P("data"))
@@ -2764,12 +2839,13 @@ class Evaluator:
         log.write({"step": step, "val_loss": float(losses.mean()),
                    "val_loss_t": {f"{t:g}": float(v) for t, v in zip(VAL_TIMES, losses)}})
 
-    def grid(self, params, step):
-        """samples/step_XXXXXXX.png of the run directory."""
+    def grid(self, params, step, log):
+        """samples/step_XXXXXXX.png of the run directory, and the same grid in TensorBoard."""
         images = self.grid_sampler(params, self.grid_noise, self.grid_labels,
                                    jax.random.key(self.args.seed + 2))
         if jax.process_index() == 0:
-            save_grid(images, os.path.join(self.args.run_dir, "samples", f"step_{step:07d}.png"))
+            log.image(step, save_grid(images, os.path.join(self.args.run_dir, "samples",
+                                                           f"step_{step:07d}.png")))
 
     def fid(self, params, step, n, log):
         """FID-N and Inception Score of n samples, into the log; skipped, with a note why, when
@@ -2983,6 +3059,7 @@ def sample_command(args):
         if args.ref:
             result = evaluate_samples(images, args.ref, fid_module().load_inception(args.inception))
             print(describe_scores(result, args.fid))
+            return {k: v for k, v in result.items() if np.ndim(v) == 0}  # the scores, not mu, sigma
         return
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()
     labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
@@ -2993,7 +3070,7 @@ def sample_command(args):
     if jax.process_index() != 0:
         return
     out_path = args.out or "samples.png"
-    save_grid(images[:args.n], out_path)
+    grid = save_grid(images[:args.n], out_path)
     print(f"{args.n} samples -> {out_path}")
     if args.gif:
         grids = [make_grid(frame[:args.n]) for frame in trajectory]
@@ -3001,6 +3078,7 @@ def sample_command(args):
         grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20,
                       duration=60, loop=0)
         print(f"trajectory -> {args.gif}")
+    return grid
 
 
 def recipes_table():
@@ -3061,7 +3139,7 @@ def build_parser():
     weights.add_argument("--seed", type=int, default=0, help="seed of every random number")
     recipes = argparse.RawDescriptionHelpFormatter
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
         description="Train, sample, export and benchmark DiT models. Commands: train (the "
                     "default), sample, export, bench; `dit.py COMMAND --help` lists a command's "
@@ -3194,7 +3272,9 @@ def main(argv=None):
     if args.command == "sample":
         return sample_command(args)
     if args.command == "export":
-        return print("EMA weights:", export_ema(args.ckpt, args.out))
+        out = export_ema(args.ckpt, args.out)
+        print("EMA weights:", out)
+        return out
     if args.command == "bench":
         return bench(args)
     for key, value in RECIPES[args.dataset].items():
@@ -3236,20 +3316,39 @@ class InputError(ValueError):
     traceback. A ValueError, so that code catching bad values catches these too.
     """
 
+    def _render_traceback_(self):
+        """What IPython and Jupyter show of it in place of a traceback: the same one line."""
+        return [one_line(self)]
+
+
+def one_line(e):
+    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
+    missing file, a full disk)."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
+    else:
+        message = str(e)
+    # A message can quote another library's error text, which may span lines.
+    return "error: " + " ".join(message.splitlines())
+
 
 def run_cli(main, argv=None):
-    """Run a command line's `main(argv)`. A failure on the user's input, an InputError or an
-    OSError (a missing file, a full disk), ends the process with status 1 and one line on stderr,
-    `error: <message>`."""
+    """Run a command line's `main(argv)`. A failure on the user's input ends the process with
+    status 1 and one line on stderr (one_line); any other exception is a bug and keeps its
+    traceback."""
     try:
         return main(argv)
     except (InputError, OSError) as e:
-        if isinstance(e, OSError) and e.filename is not None and e.strerror:
-            message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
-        else:
-            message = str(e)
-        # A message can quote another library's error text, which may span lines.
-        raise SystemExit("error: " + " ".join(message.splitlines())) from None
+        raise SystemExit(one_line(e)) from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, except that a bad option raises InputError rather than printing the
+    usage and exiting: one line from the command line, and in a notebook, one line with the
+    kernel alive."""
+
+    def error(self, message):
+        raise InputError(f"{message} (--help lists the options)")
 
 
 def _at_least(minimum):
@@ -3985,6 +4084,6 @@ def download(url, path, digest=None, algorithm="sha256"):
 
 
 
-# pasted into a notebook: call main([...])
-if __name__ == "__main__" and "ipykernel" not in sys.modules:
+# As a script; pasted into a notebook cell (no __file__ there), it only defines: call main([...]).
+if __name__ == "__main__" and "__file__" in globals():
     run_cli(main)

@@ -18,7 +18,6 @@ From Python: `evaluate(images, ref_stats)` for uint8 (N, H, W, 3) arrays, `image
 folders and .npz files, `InceptionFeatures` to stream batches as they are generated.
 """
 
-import argparse
 import concurrent.futures
 import functools
 import os
@@ -37,7 +36,6 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
-from tqdm.auto import tqdm
 
 # dit.py holds what the two files share: the readers of untrusted files and InputError. Run as a
 # script or pasted into a notebook cell, each file registers itself, so that the other's import
@@ -302,8 +300,9 @@ def _convert_torch_weights(state_dict, source):
     layout."""
     if not (isinstance(state_dict, dict)
             and all(isinstance(v, np.ndarray) for v in state_dict.values())):
-        raise dit.InputError(f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
-                         f"tensors). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
+        raise dit.InputError(
+            f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
+            f"tensors). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
     params = {}
     for key, value in state_dict.items():
         *module, name = key.split(".")
@@ -436,8 +435,9 @@ class FeatureStats:
     def mu_sigma(self):
         """(mu (D,), sigma (D, D)); warns when too few samples give a singular covariance."""
         if self.count < 2:
-            raise dit.InputError(f"a covariance needs at least 2 images, got {self.count}; give more "
-                             f"images")
+            raise dit.InputError(
+                f"a covariance needs at least 2 images, got {self.count}; give more "
+                f"images")
         dim = len(self.mean)
         if self.count <= dim:
             warnings.warn(f"only {self.count} images for {dim}-d features: the covariance has rank "
@@ -489,8 +489,9 @@ def inception_score(logits, splits=10):
     """
     logits = np.asarray(logits, np.float64)
     if len(logits) < splits:
-        raise dit.InputError(f"Inception Score with {splits} splits needs at least {splits} images, "
-                         f"got {len(logits)}; give more images")
+        raise dit.InputError(
+            f"Inception Score with {splits} splits needs at least {splits} images, "
+            f"got {len(logits)}; give more images")
     log_p = logits - scipy.special.logsumexp(logits, axis=1, keepdims=True)  # (N, 1008): log p(y|x)
     scores = []
     for part in np.array_split(log_p, splits):
@@ -516,9 +517,10 @@ def load_statistics(path):
     mu, sigma = stats["mu"], stats["sigma"]
     if (mu.ndim != 1 or sigma.shape != (len(mu), len(mu))
             or mu.dtype.kind not in "fiu" or sigma.dtype.kind not in "fiu"):
-        raise dit.InputError(f"{path}: mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape} "
-                         f"are not a real (D,) mean and (D, D) covariance; compute them with "
-                         f"`python fid.py stats`")
+        raise dit.InputError(
+            f"{path}: mu {mu.dtype} {mu.shape} and sigma {sigma.dtype} {sigma.shape} "
+            f"are not a real (D,) mean and (D, D) covariance; compute them with "
+            f"`python fid.py stats`")
     return mu.astype(np.float64), sigma.astype(np.float64)
 
 
@@ -577,9 +579,10 @@ class InceptionFeatures:
         W."""
         images = np.asarray(images)
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
-            raise dit.InputError(f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} "
-                             f"{images.shape}; convert floats in [0, 1] with "
-                             f"(x * 255).round().clip(0, 255).astype(np.uint8)")
+            raise dit.InputError(
+                f"expected uint8 RGB images of shape (N, H, W, 3), got {images.dtype} "
+                f"{images.shape}; convert floats in [0, 1] with "
+                f"(x * 255).round().clip(0, 255).astype(np.uint8)")
         # Every process must run the same number of steps on the same shapes, so agree on both
         # first.
         # (P, 3): N, H, W per process
@@ -588,8 +591,9 @@ class InceptionFeatures:
         if self.image_shape is not None:
             shapes.add(self.image_shape)
         if len(shapes) > 1:
-            raise dit.InputError(f"images of different sizes {sorted(shapes)}: FID needs images of one "
-                             f"size; resize or crop them all to the same height and width first")
+            raise dit.InputError(
+                f"images of different sizes {sorted(shapes)}: FID needs images of one "
+                f"size; resize or crop them all to the same height and width first")
         most = sizes[:, 0].max()
         if most == 0:
             return
@@ -645,8 +649,9 @@ class ImageFolder:
         self.paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
                             if f.lower().endswith(dit.IMAGE_EXTENSIONS))
         if not self.paths:
-            raise dit.InputError(f"no images ({', '.join(dit.IMAGE_EXTENSIONS)}) under {root}; give a "
-                             f"folder that holds some")
+            raise dit.InputError(
+                f"no images ({', '.join(dit.IMAGE_EXTENSIONS)}) under {root}; give a "
+                f"folder that holds some")
         self.shape = self._read(self.paths[0]).shape
         self.pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
 
@@ -658,8 +663,9 @@ class ImageFolder:
         # PIL raises these on malformed files, and its messages do not always name the file.
         except (OSError, ValueError, SyntaxError, EOFError, struct.error,
                 Image.DecompressionBombError) as e:
-            raise dit.InputError(f"{path} is not a readable image ({type(e).__name__}: {e}); remove or "
-                             f"replace it") from None
+            raise dit.InputError(
+                f"{path} is not a readable image ({type(e).__name__}: {e}); remove or "
+                f"replace it") from None
 
     def _read_checked(self, path):
         image = self._read(path)
@@ -691,12 +697,14 @@ def load_images(source):
                          f"`arr_0`")
     images = dit.read_npz(source, ["arr_0"]).get("arr_0")
     if images is None:
-        raise dit.InputError(f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
-                         f"of images or an .npz of them")
+        raise dit.InputError(
+            f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
+            f"of images or an .npz of them")
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise dit.InputError(f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
-                         f"(N, H, W, 3); convert floats in [0, 1] with "
-                         f"(x * 255).round().clip(0, 255).astype(np.uint8)")
+        raise dit.InputError(
+            f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
+            f"(N, H, W, 3); convert floats in [0, 1] with "
+            f"(x * 255).round().clip(0, 255).astype(np.uint8)")
     return images
 
 
@@ -713,7 +721,8 @@ def image_statistics(images, inception, batch_size=128, progress=True):
     chunk = 8 * batch_size * jax.local_device_count()  # images held in host memory at a time
     # the same for every process, as update needs
     calls = -(-len(range(0, len(images), world)) // chunk)
-    with tqdm(total=len(mine), unit="img", desc="Inception", disable=not features.progress) as bar:
+    with dit.tqdm(total=len(mine), unit="img", desc="Inception",
+                  disable=not features.progress) as bar:
         for i in range(calls):
             indices = mine[i * chunk:(i + 1) * chunk]  # empty for a process whose share is shorter
             features.update(images[indices.start:indices.stop:world], bar)
@@ -736,7 +745,7 @@ def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=Tr
     if isinstance(ref_stats, (str, os.PathLike)):
         ref_stats = load_statistics(ref_stats)
     features = InceptionFeatures(inception or load_inception(), batch_size, progress)
-    with tqdm(total=len(images), unit="img", desc="Inception",
+    with dit.tqdm(total=len(images), unit="img", desc="Inception",
               disable=not features.progress) as bar:
         features.update(images, bar)
     out = features.result()
@@ -782,7 +791,7 @@ def _positive_ints(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="FID and Inception Score with pytorch-fid's "
+    parser = dit.OneLineParser(description="FID and Inception Score with pytorch-fid's "
                                      "InceptionV3, in JAX. A source is a folder of images, an .npz "
                                      "of uint8 images (arr_0) or, where statistics suffice, an "
                                      ".npz of statistics (mu, sigma).")
@@ -826,8 +835,9 @@ def main(argv=None):
 
     if args.command == "stats":
         if _is_statistics_file(args.source):
-            raise dit.InputError(f"{args.source} already holds statistics (mu, sigma); give images to "
-                             f"compute them from")
+            raise dit.InputError(
+                f"{args.source} already holds statistics (mu, sigma); give images to "
+                f"compute them from")
         mu, sigma, _ = statistics(args.source)
         if jax.process_index() == 0:
             save_statistics(args.out, mu, sigma)

@@ -37,11 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 import fid
 import dit
-from dit import load_image, load_vae, read_json, write_atomically
+from dit import load_image, load_vae, read_json, tqdm, write_atomically
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100
@@ -197,7 +196,7 @@ def open_partial(path, mode, dtype, shape):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = dit.OneLineParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="Kaggle ImageNet-100 folder (train.X1..X4, val.X, Labels.json) or "
                    "class-folder tree")

@@ -19,7 +19,6 @@ import json
 import os
 import pickle
 import re
-import runpy
 import shutil
 import socket
 import struct
@@ -2186,15 +2185,6 @@ def test_flops_match_the_paper():
 #################################################################################
 
 
-def test_file_pasted_into_a_notebook_cell_waits_for_main(monkeypatch):
-    """A notebook runs a pasted file as __main__, with the kernel's own arguments in sys.argv: the
-    command line must not start (and fail on those arguments); the user calls main([...])."""
-    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
-    monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", "/root/.local/kernel-1.json"])
-    namespace = runpy.run_path(os.path.join(HERE, "dit.py"), run_name="__main__")
-    assert callable(namespace["main"])  # and the run above did not exit
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume: no checkpoint in"),
     (["--profile", "trace"], "--profile traces steps 11 to 15, after step 0 .* ends at step 2"),
@@ -2218,13 +2208,12 @@ def test_command_line_mistakes_are_named(tmp_path, folder_data, argv, message):
     (["sample", "--ckpt", "x.npz", "--n", "0"], 1), (["--warmup", "-1"], 0),
     (["--final-fid", "-10"], 0), (["--val-images", "-8"], 0), (["bench", "--fid", "-1"], 0),
     (["sample", "--ckpt", "x.npz", "--fid", "-5"], 0)])
-def test_counts_out_of_range_are_refused_by_the_parser(argv, least, capsys):
-    """Counts (dit.positive_int) and counts where 0 means none (dit.non_negative_int)."""
-    with pytest.raises(SystemExit) as info:
+def test_counts_out_of_range_are_refused_by_the_parser(argv, least):
+    """Counts (dit.positive_int) and counts where 0 means none (dit.non_negative_int): the
+    parser's InputError, one line, where argparse would print its usage and exit."""
+    with pytest.raises(dit.InputError,
+                       match=f"argument {argv[-2]}: expected a whole number of at least {least}"):
         dit.main(argv)
-    assert info.value.code == 2
-    assert (f"argument {argv[-2]}: expected a whole number of at least {least}"
-            in capsys.readouterr().err)
 
 
 def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_run):
@@ -2241,6 +2230,114 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
     np.savez(tmp_path / "no_null.npz", __meta__=np.array(json.dumps(meta)), **arrays)
     with pytest.raises(dit.InputError, match="no null label to guide with; use --cfg-scale 1"):
         dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--cfg-scale", "1.5"])
+
+
+#################################################################################
+#                  Notebooks: dit.py and fid.py in a real kernel                #
+#################################################################################
+# A Jupyter kernel (ipykernel, driven through jupyter_client) runs the cells a user would: the text
+# of dit.py and fid.py pasted into cells, or the files imported, then main([...]).
+
+class Kernel:
+    """A real IPython kernel started in `cwd`, with this process's environment (its compilation
+    cache included)."""
+
+    def __init__(self, cwd):
+        from jupyter_client.manager import start_new_kernel
+        self.manager, self.client = start_new_kernel(
+            kernel_name="python3", cwd=str(cwd),
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+
+    def run(self, code, timeout=300):
+        """(status, [(kind, text)]) of a cell: kind is stdout, stderr, error (its traceback
+        lines joined), or a MIME type of the cell's value or of what it displayed."""
+        outputs = []
+
+        def collect(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                outputs.append((content["name"], content["text"]))
+            elif kind in ("execute_result", "display_data"):
+                outputs.extend(content["data"].items())
+            elif kind == "error":
+                outputs.append(("error", "\n".join(content["traceback"])))
+
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
+        return reply["content"]["status"], outputs
+
+    def paste(self, path):
+        with open(path) as f:
+            return self.run(f.read())
+
+    def close(self):
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    """A kernel in an empty folder, where neither dit.py nor fid.py can be imported."""
+    k = Kernel(tmp_path)
+    yield k
+    k.close()
+
+
+TINY = 'DIT_SIZES["T"] = dict(hidden_size=32, depth=2, num_heads=2)'
+
+
+def test_notebook_pasted_both_files(kernel, tmp_path, folder_data, straight_run):
+    """fid.py's text, then dit.py's, pasted into cells: they define and run nothing; main trains as
+    the command line does (bit for bit), twice in one kernel; its cell shows a one-line summary,
+    sampling shows the grid, and a bad option is one line with the kernel alive."""
+    assert kernel.paste(os.path.join(HERE, "fid.py")) == ("ok", [])
+    assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
+    for run in ("first", "second"):
+        argv = train_args(folder_data, tmp_path / run, 9, VALIDATION)
+        status, out = kernel.run(f"{TINY}\nmain({argv!r})")
+        assert status == "ok", out
+        summary = dict(out)["text/plain"]
+        assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(tmp_path / run))}', step=9, "
+                            rf"loss=\d\.\d+(e-\d+)?, fid=None\)", summary), summary
+        for name, value in state_at(straight_run, 9).items():
+            np.testing.assert_array_equal(state_at(tmp_path / run, 9)[name], value, err_msg=name)
+    ckpt = dit.list_checkpoints(tmp_path / "first")[-1]
+    status, out = kernel.run(f"main(['sample', '--ckpt', {ckpt!r}, '--n', '4', '--steps', '2', "
+                             f"'--out', {str(tmp_path / 'grid.png')!r}])")
+    assert status == "ok" and "image/png" in dict(out), out
+    status, out = kernel.run("main(['--size', 'Q'])")
+    assert status == "error"
+    errors = [text for kind, text in out if kind == "error"]
+    assert len(errors) == 1 and "\n" not in errors[0], out
+    assert errors[0].startswith("error: argument --size: invalid choice: 'Q'"), errors
+    assert kernel.run("print(1 + 1)") == ("ok", [("stdout", "2\n")])
+
+
+def test_notebook_dit_pasted_alone(kernel, tmp_path, folder_data):
+    """dit.py alone defines everything; a run that needs FID says in one line, before training,
+    that it needs fid.py."""
+    assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    argv = train_args(folder_data, tmp_path / "run", 3, ["--final-fid", "8", "--fid-ref", str(ref)])
+    status, out = kernel.run(f"{TINY}\nmain({argv!r})")
+    errors = [text for kind, text in out if kind == "error"]
+    assert status == "error" and len(errors) == 1 and "\n" not in errors[0], out
+    assert errors[0].startswith("error: FID needs fid.py"), errors
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_notebook_imported(tmp_path, folder_data):
+    """Both files beside the notebook, imported: dit.main trains; an error of the user's own cell
+    keeps its traceback."""
+    k = Kernel(HERE)
+    try:
+        argv = train_args(folder_data, tmp_path / "run", 3)
+        status, out = k.run(f"import dit\ndit.{TINY}\ndit.main({argv!r})")
+        assert status == "ok" and dict(out)["text/plain"].startswith("Run(run_dir="), out
+        status, out = k.run("open('no such file')")
+        assert status == "error" and "Traceback" in dict(out)["error"], out
+    finally:
+        k.close()
 
 
 #################################################################################
