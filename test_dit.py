@@ -1901,11 +1901,13 @@ def test_default_precision_per_device():
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
 
 
-def test_four_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
-    """4 devices sharing the batch and, with --fsdp, the parameters and optimizer state == 1 device
-    (sharing the batch alone is what test_two_hosts_equal_one runs, on 2 x 2 devices)."""
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "fsdp", 3, [*VALIDATION, "--fsdp"]),
-            devices=4)
+@pytest.mark.parametrize("devices, fsdp", [(4, True), (8, False)])
+def test_more_devices_equal_one(tmp_path, folder_data, straight_run, devices, fsdp):
+    """4 devices sharing the batch and, with --fsdp, the parameters and optimizer state == 1 device;
+    so do the 8 devices of a TPU v3-8 sharing the batch, one sample each (sharing the batch is also
+    what test_two_hosts_equal_one runs, on 2 x 2 devices)."""
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 3,
+                                 [*VALIDATION, *["--fsdp"] * fsdp]), devices=devices)
     one = state_at(straight_run, 3)
     assert int(one["step"]) == 3
     # the parameters moved: the comparison is not between two untouched initialisations
@@ -1914,7 +1916,7 @@ def test_four_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
                                        nnx.Param))
     assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"],
                            np.asarray(start["blocks"][0]["attn"]["qkv"]["kernel"]))
-    assert_states_close(one, final_state(tmp_path / "fsdp")[1])
+    assert_states_close(one, final_state(tmp_path / "run")[1])
 
 
 def free_port():
@@ -2094,8 +2096,9 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
                        str(tmp_path / "g.png"), "--gif", str(tmp_path / "g.gif")], devices=2)
     assert Image.open(tmp_path / "g.png").size == (2 * 10 + 2, 2 * 10 + 2)
     assert Image.open(tmp_path / "g.gif").n_frames > 3
-    run_dit(tmp_path, ["sample", "--ckpt", ckpt, "--steps", "3", "--fid", "10", "--batch-size", "4",
-                       "--out", str(tmp_path / "s.npz")], devices=2)
+    # on the 8 devices of a TPU v3-8, one sample each, the last batch padded
+    run_dit(tmp_path, ["sample", "--ckpt", ckpt, "--steps", "3", "--fid", "10", "--batch-size", "8",
+                       "--out", str(tmp_path / "s.npz")], devices=8)
     with np.load(tmp_path / "s.npz") as f:
         assert f["arr_0"].shape == (10, 8, 8, 3) and f["arr_0"].dtype == np.uint8
         assert np.bincount(f["labels"]).tolist() == [5, 5]
@@ -2911,11 +2914,12 @@ def test_prepare_fid_statistics(tmp_path, monkeypatch):
 PLATFORMS = ("tpu", "cuda")
 
 
-def lower(jitted, *args):
-    """jax.export's lowering of `jitted` for TPUs and NVIDIA GPUs at the shapes of args
+def lower(jitted, *args, platforms=PLATFORMS, disabled_checks=()):
+    """jax.export's lowering of `jitted` for `platforms` at the shapes of args
     (jax.ShapeDtypeStruct or arrays)."""
-    exported = jax.export.export(jitted, platforms=PLATFORMS)(*args)
-    assert exported.platforms == PLATFORMS
+    exported = jax.export.export(jitted, platforms=platforms,
+                                 disabled_checks=disabled_checks)(*args)
+    assert exported.platforms == platforms
     return exported
 
 
@@ -2935,6 +2939,17 @@ def abstract_dit(cfg, dtype=jnp.float32):
     return nnx.split(nnx.eval_shape(lambda: dit.DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
 
 
+@pytest.fixture
+def xla_attention(monkeypatch):
+    """The attention that TPUs run (and float32 models and NVIDIA GPUs before Ampere), whatever the
+    machine running the tests: on an Ampere GPU attention_implementation would take cuDNN's, which
+    no TPU lowers. test_cudnn_attention_lowers_for_cuda lowers cuDNN's for CUDA."""
+    choose = dit.attention_implementation
+    tpu = types.SimpleNamespace(platform="tpu")
+    monkeypatch.setattr(dit, "attention_implementation",
+                        lambda dtype, head_dim, device=None: choose(dtype, head_dim, tpu))
+
+
 def traced_init_state(cfg, tx, mesh, fsdp, dtype, remat):
     """dit.init_state as train() calls it, traced and not run: (graphdef, the state's shapes, its
     shardings, the program that creates it, jitted)."""
@@ -2949,23 +2964,26 @@ def traced_init_state(cfg, tx, mesh, fsdp, dtype, remat):
     return made["graphdef"], state, made["shardings"], init
 
 
-def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_init=False):
+def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_init=False,
+                   **lowering):
     """The programs of train(), over make_mesh's devices: the training step (jit_train_step), the
     validation loss (jitted as the Evaluator jits it) and, with lower_init, the creation of the
-    state. Returns (the state's shapes, the training step's Exported)."""
+    state; `lowering`: lower's options. Returns (the state's shapes, the training step's
+    Exported)."""
     mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-4, warmup=10, grad_clip=1.0)
     graphdef, state, shardings, init = traced_init_state(cfg, tx, mesh, fsdp,
                                                          dit.compute_dtype(precision), remat)
     objective = dit.make_objective(objective)
     if lower_init:
-        lower(init)
+        lower(init, **lowering)
     split = NamedSharding(mesh, P("data"))
     x = spec((batch, cfg.input_size, cfg.input_size, cfg.in_channels), sharding=split)
     y = spec((batch,), jnp.int32, sharding=split)
-    step = lower(dit.jit_train_step(graphdef, objective, tx, 0.999, 0, mesh, shardings), state, x, y)
+    step = lower(dit.jit_train_step(graphdef, objective, tx, 0.999, 0, mesh, shardings), state, x, y,
+                 **lowering)
     lower(jax.jit(lambda params, x, y: dit.validation_losses(
         nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1)),
-        state["ema"], x, y)
+        state["ema"], x, y, **lowering)
     return state, step
 
 
@@ -2977,6 +2995,7 @@ TRAINING_CASES = [(arch, ("rf", "ddpm")[(i + j) % 2], precision, REMATS[(i + j) 
                   for j, precision in enumerate(("fp32", "bf16", "fp16"))]
 
 
+@pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("arch, objective, precision, remat", TRAINING_CASES)
 def test_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
     state, step = lower_training(tiny_config(objective, arch), objective, precision, remat)
@@ -2994,6 +3013,7 @@ SAMPLING_CASES = [(objective, method, cfg_scale)
                   for cfg_scale in (1.0, 1.5)]
 
 
+@pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("objective, method, cfg_scale", SAMPLING_CASES)
 def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale):
     every_switch = {name: True for name in dit.ARCHS["dit"]}
@@ -3037,27 +3057,33 @@ def test_inception_lowers_for_tpu_and_cuda(inception):
 
 def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     """On NVIDIA GPUs from Ampere on, 16-bit models attend with cuDNN's fused attention
-    (attention_implementation), which the lowerings above, made where jax.devices() is a CPU, do not
-    take: here the training step and a sampler take it, for CUDA."""
+    (attention_implementation), which the lowerings above, made as for a TPU, do not take: here the
+    training step and a guided sampler take it, for CUDA. Its custom calls carry no compatibility
+    guarantee, which jax.export checks for files meant to be kept; these lowerings are not kept."""
     ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
     choose = dit.attention_implementation
     monkeypatch.setattr(dit, "attention_implementation",
                         lambda dtype, head_dim, device=None: choose(dtype, head_dim, ampere))
     cfg = tiny_config("rf", "dit+", hidden_size=64)  # heads of 32, a multiple of 8
     assert dit.attention_implementation(jnp.bfloat16, cfg.hidden_size // cfg.num_heads) == "cudnn"
+    fused = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    cuda = dict(platforms=("cuda",),
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in fused])
     try:
-        lower_training(cfg, "rf", "bf16", "dots")
+        _, step = lower_training(cfg, "rf", "bf16", "dots", **cuda)
     except RuntimeError as e:
         if "cuDNN is not detected" not in str(e):
             raise
         pytest.skip("cuDNN's fused attention cannot be lowered without the cuDNN library: "
-                    "jax.nn.dot_product_attention(implementation='cudnn') checks the installed "
-                    "cuDNN's version while it traces; this test runs on a machine with CUDA")
+                    "jax.nn.dot_product_attention(implementation='cudnn') asks the installed "
+                    "cuDNN for its version while it traces; this test runs where CUDA does")
+    assert all(target in step.mlir_module() for target in fused)
     graphdef, params = abstract_dit(cfg, jnp.bfloat16)
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=2,
                           method="heun", cfg_scale=1.5)
-    lower(sampler.run, params, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
-          jax.eval_shape(lambda: jax.random.key(0)))
+    run = lower(sampler.run, params, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
+                jax.eval_shape(lambda: jax.random.key(0)), **cuda)
+    assert fused[0] in run.mlir_module()
 
 
 def lower_on_a_v3_8():
