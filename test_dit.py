@@ -1,5 +1,6 @@
 """Tests of dit.py, fid.py and prepare_imagenet100.py, in the order of dit.py's sections, then
-fid.py's and prepare_imagenet100.py's; last, hostile and damaged files against every command.
+fid.py's and prepare_imagenet100.py's; then every compiled program, lowered for TPUs and NVIDIA
+GPUs; last, hostile and damaged files against every command.
 
 Parity tests compare against reference vectors made by running the official implementations
 (facebookresearch/DiT, pytorch-fid, diffusers); they read them from $DIT_FIXTURES when it is set,
@@ -2979,8 +2980,8 @@ def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_
     split = NamedSharding(mesh, P("data"))
     x = spec((batch, cfg.input_size, cfg.input_size, cfg.in_channels), sharding=split)
     y = spec((batch,), jnp.int32, sharding=split)
-    step = lower(dit.jit_train_step(graphdef, objective, tx, 0.999, 0, mesh, shardings), state, x, y,
-                 **lowering)
+    step_fn = dit.jit_train_step(graphdef, objective, tx, 0.999, 0, mesh, shardings)
+    step = lower(step_fn, state, x, y, **lowering)
     lower(jax.jit(lambda params, x, y: dit.validation_losses(
         nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1)),
         state["ema"], x, y, **lowering)
@@ -3086,11 +3087,12 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     assert fused[0] in run.mlir_module()
 
 
-def lower_on_a_v3_8():
+def lower_on_a_v3_8(vae_dir):
     """What a TPU v3-8's 8 cores compile, at TPUs' default precision, bfloat16 (run with 8 devices
     by the next test): train()'s programs with the batch split over the devices, and with FSDP; a
-    guided sampler and its chunked decoder (a shard_map over the devices); prepare_imagenet100's
-    encoder. Returns what each lowering records of its devices and shardings."""
+    guided sampler and its chunked decoder (a shard_map over the devices) with the VAE in vae_dir;
+    prepare_imagenet100's encoder. Returns what each lowering records of its devices and
+    shardings."""
     assert jax.device_count() == 8
     mesh, found = dit.make_mesh(), {}
     for fsdp in (False, True):
@@ -3100,7 +3102,7 @@ def lower_on_a_v3_8():
         found["fsdp" if fsdp else "data"] = {
             "devices": step.nr_devices, "batch": list(shardings[-2].spec),
             "split_state": sum(any(s.spec) for s in shardings[:-2])}
-    vae = dit.load_decoder(fixture("vae_reference"), 4, dit.vae_dtype("bf16"))
+    vae = dit.load_decoder(vae_dir, 4, dit.vae_dtype("bf16"))
     graphdef, params = abstract_dit(tiny_config("rf", "dit+"), jnp.bfloat16)
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), mesh, steps=2, method="heun",
                           cfg_scale=1.5, vae=vae, latent_scale=vae.cfg.scaling_factor)
@@ -3118,7 +3120,7 @@ def lower_on_a_v3_8():
 
 def test_programs_lower_for_the_8_cores_of_a_tpu_v3_8():
     script = (f"import json, sys; sys.path.insert(0, {HERE!r}); import test_dit; "
-              f"print(json.dumps(test_dit.lower_on_a_v3_8()))")
+              f"print(json.dumps(test_dit.lower_on_a_v3_8({fixture('vae_reference')!r})))")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=300,
