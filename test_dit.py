@@ -3006,20 +3006,21 @@ def test_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
 
 
 # Each objective's samplers, unguided and guided (on the channels and in the interval that the
-# sample command can ask for), on DiT+ with every switch on, in float32 unguided and in bfloat16
-# guided. The trajectory is the sample command's --gif.
-SAMPLING_CASES = [(objective, method, cfg_scale)
+# sample command can ask for), on DiT+ with every switch on: unguided in float32, guided in bfloat16
+# (rectified flow) and float16 (DDPM). The trajectory is the sample command's --gif.
+SAMPLING_CASES = [(objective, method, cfg_scale,
+                   "fp32" if cfg_scale == 1 else {"rf": "bf16", "ddpm": "fp16"}[objective])
                   for objective in ("rf", "ddpm")
                   for method in dit.make_objective(objective).METHODS
                   for cfg_scale in (1.0, 1.5)]
 
 
 @pytest.mark.usefixtures("xla_attention")
-@pytest.mark.parametrize("objective, method, cfg_scale", SAMPLING_CASES)
-def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale):
+@pytest.mark.parametrize("objective, method, cfg_scale, precision", SAMPLING_CASES)
+def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precision):
     every_switch = {name: True for name in dit.ARCHS["dit"]}
     graphdef, params = abstract_dit(tiny_config(objective, **every_switch),
-                                    jnp.bfloat16 if cfg_scale != 1 else jnp.float32)
+                                    dit.compute_dtype(precision))
     trajectory = method in ("heun", "ddim")
     sampler = dit.Sampler(graphdef, dit.make_objective(objective), dit.make_mesh(), steps=2,
                           method=method, cfg_scale=cfg_scale, guidance_channels=3,
