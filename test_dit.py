@@ -1908,7 +1908,7 @@ def test_more_devices_equal_one(tmp_path, folder_data, straight_run, devices, fs
     so do the 8 devices of a TPU v3-8 sharing the batch, one sample each (sharing the batch is also
     what test_two_hosts_equal_one runs, on 2 x 2 devices)."""
     run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 3,
-                                 [*VALIDATION, *["--fsdp"] * fsdp]), devices=devices)
+                                 [*VALIDATION, *(["--fsdp"] if fsdp else [])]), devices=devices)
     one = state_at(straight_run, 3)
     assert int(one["step"]) == 3
     # the parameters moved: the comparison is not between two untouched initialisations
