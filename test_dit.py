@@ -1,5 +1,6 @@
 """Tests of dit.py, fid.py and prepare_imagenet100.py, in the order of dit.py's sections, then
-fid.py's and prepare_imagenet100.py's; last, hostile and damaged files against every command.
+fid.py's and prepare_imagenet100.py's; then every compiled program, lowered for TPUs and NVIDIA
+GPUs; last, hostile and damaged files against every command.
 
 Parity tests compare against reference vectors made by running the official implementations
 (facebookresearch/DiT, pytorch-fid, diffusers); they read them from $DIT_FIXTURES when it is set,
@@ -44,6 +45,7 @@ import optax
 import pytest
 from PIL import Image
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dit
 import fid
@@ -1899,11 +1901,13 @@ def test_default_precision_per_device():
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
 
 
-def test_four_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
-    """4 devices sharing the batch and, with --fsdp, the parameters and optimizer state == 1 device
-    (sharing the batch alone is what test_two_hosts_equal_one runs, on 2 x 2 devices)."""
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "fsdp", 3, [*VALIDATION, "--fsdp"]),
-            devices=4)
+@pytest.mark.parametrize("devices, fsdp", [(4, True), (8, False)])
+def test_more_devices_equal_one(tmp_path, folder_data, straight_run, devices, fsdp):
+    """4 devices sharing the batch and, with --fsdp, the parameters and optimizer state == 1 device;
+    so do the 8 devices of a TPU v3-8 sharing the batch, one sample each (sharing the batch is also
+    what test_two_hosts_equal_one runs, on 2 x 2 devices)."""
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 3,
+                                 [*VALIDATION, *(["--fsdp"] if fsdp else [])]), devices=devices)
     one = state_at(straight_run, 3)
     assert int(one["step"]) == 3
     # the parameters moved: the comparison is not between two untouched initialisations
@@ -1912,7 +1916,7 @@ def test_four_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
                                        nnx.Param))
     assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"],
                            np.asarray(start["blocks"][0]["attn"]["qkv"]["kernel"]))
-    assert_states_close(one, final_state(tmp_path / "fsdp")[1])
+    assert_states_close(one, final_state(tmp_path / "run")[1])
 
 
 def free_port():
@@ -2092,8 +2096,9 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
                        str(tmp_path / "g.png"), "--gif", str(tmp_path / "g.gif")], devices=2)
     assert Image.open(tmp_path / "g.png").size == (2 * 10 + 2, 2 * 10 + 2)
     assert Image.open(tmp_path / "g.gif").n_frames > 3
-    run_dit(tmp_path, ["sample", "--ckpt", ckpt, "--steps", "3", "--fid", "10", "--batch-size", "4",
-                       "--out", str(tmp_path / "s.npz")], devices=2)
+    # on the 8 devices of a TPU v3-8, one sample each, the last batch padded
+    run_dit(tmp_path, ["sample", "--ckpt", ckpt, "--steps", "3", "--fid", "10", "--batch-size", "8",
+                       "--out", str(tmp_path / "s.npz")], devices=8)
     with np.load(tmp_path / "s.npz") as f:
         assert f["arr_0"].shape == (10, 8, 8, 3) and f["arr_0"].dtype == np.uint8
         assert np.bincount(f["labels"]).tolist() == [5, 5]
@@ -2990,6 +2995,239 @@ def test_prepare_fid_statistics(tmp_path, monkeypatch):
     assert rel_err(stats["mu"], pool3.mean(0)) < 1e-5
     assert rel_err(stats["sigma"], np.cov(pool3, rowvar=False)) < 1e-4
     assert not (tmp_path / "out" / "inception.partial.npy").exists()
+
+
+#################################################################################
+#                                                                               #
+#           Every compiled program, lowered for TPUs and NVIDIA GPUs            #
+#                                                                               #
+#################################################################################
+# No TPU and no NVIDIA GPU runs these tests, yet the project's users train on TPUs (a Kaggle v3-8's
+# 8 cores) and GPUs. jax.export lowers a jitted function for platforms that this machine lacks, to
+# the StableHLO that their compilers take, with each platform's own lowering rules and without
+# compiling or running anything: an operation that has no TPU or CUDA lowering fails here, and so
+# does a custom call that is not stable (jax.export's own check). The programs are built by the
+# project's own functions, as its commands build them, at tiny sizes.
+
+PLATFORMS = ("tpu", "cuda")
+
+
+def lower(jitted, *args, platforms=PLATFORMS, disabled_checks=()):
+    """jax.export's lowering of `jitted` for `platforms` at the shapes of args
+    (jax.ShapeDtypeStruct or arrays)."""
+    exported = jax.export.export(jitted, platforms=platforms,
+                                 disabled_checks=disabled_checks)(*args)
+    assert exported.platforms == platforms
+    return exported
+
+
+def spec(shape, dtype=jnp.float32, sharding=None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def tiny_config(objective, arch="dit", **overrides):
+    return dit.DiTConfig(**{**dict(input_size=8, patch_size=2, in_channels=4, hidden_size=32,
+                                   depth=1, num_heads=2, num_classes=3,
+                                   learn_sigma=objective == "ddpm"),
+                            **dit.ARCHS[arch], **overrides})
+
+
+def abstract_dit(cfg, dtype=jnp.float32):
+    """(graphdef, parameter shapes) of a DiT, nothing initialised."""
+    return nnx.split(nnx.eval_shape(lambda: dit.DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+@pytest.fixture
+def xla_attention(monkeypatch):
+    """The attention that TPUs run (and float32 models and NVIDIA GPUs before Ampere), whatever the
+    machine running the tests: on an Ampere GPU attention_implementation would take cuDNN's, which
+    no TPU lowers. test_cudnn_attention_lowers_for_cuda lowers cuDNN's for CUDA."""
+    choose = dit.attention_implementation
+    tpu = types.SimpleNamespace(platform="tpu")
+    monkeypatch.setattr(dit, "attention_implementation",
+                        lambda dtype, head_dim, device=None: choose(dtype, head_dim, tpu))
+
+
+def traced_init_state(cfg, tx, mesh, fsdp, dtype, remat):
+    """dit.init_state as train() calls it, traced and not run: (graphdef, the state's shapes, its
+    shardings, the program that creates it, jitted)."""
+    made = {}
+
+    def init():
+        made["graphdef"], state, made["shardings"] = dit.init_state(cfg, tx, 0, mesh, fsdp, dtype,
+                                                                    remat)
+        return state
+    init = jax.jit(init)
+    state = jax.eval_shape(init)
+    return made["graphdef"], state, made["shardings"], init
+
+
+def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_init=False,
+                   **lowering):
+    """The programs of train(), over make_mesh's devices: the training step (jit_train_step), the
+    validation loss (jitted as the Evaluator jits it) and, with lower_init, the creation of the
+    state; `lowering`: lower's options. Returns (the state's shapes, the training step's
+    Exported)."""
+    mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-4, warmup=10, grad_clip=1.0)
+    graphdef, state, shardings, init = traced_init_state(cfg, tx, mesh, fsdp,
+                                                         dit.compute_dtype(precision), remat)
+    objective = dit.make_objective(objective)
+    if lower_init:
+        lower(init, **lowering)
+    split = NamedSharding(mesh, P("data"))
+    x = spec((batch, cfg.input_size, cfg.input_size, cfg.in_channels), sharding=split)
+    y = spec((batch,), jnp.int32, sharding=split)
+    step_fn = dit.jit_train_step(graphdef, objective, tx, 0.999, 0, mesh, shardings)
+    step = lower(step_fn, state, x, y, **lowering)
+    lower(jax.jit(lambda params, x, y: dit.validation_losses(
+        nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1)),
+        state["ema"], x, y, **lowering)
+    return state, step
+
+
+# Each architecture at each precision; each architecture meets every remat policy and both
+# objectives.
+REMATS = (None, *dit.REMAT_POLICIES)
+TRAINING_CASES = [(arch, ("rf", "ddpm")[(i + j) % 2], precision, REMATS[(i + j) % len(REMATS)])
+                  for i, arch in enumerate(dit.ARCHS)
+                  for j, precision in enumerate(("fp32", "bf16", "fp16"))]
+
+
+@pytest.mark.usefixtures("xla_attention")
+@pytest.mark.parametrize("arch, objective, precision, remat", TRAINING_CASES)
+def test_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
+    state, step = lower_training(tiny_config(objective, arch), objective, precision, remat)
+    # float16 trains with loss scaling, in the state and in the step's metrics
+    metrics = step.out_tree.unflatten(step.out_avals)[1]
+    assert ("loss_scale" in state) == ("loss_scale" in metrics) == (precision == "fp16")
+
+
+# Each objective's samplers, unguided and guided (on the channels and in the interval that the
+# sample command can ask for), on DiT+ with every switch on: unguided in float32, guided in bfloat16
+# (rectified flow) and float16 (DDPM). The trajectory is the sample command's --gif.
+SAMPLING_CASES = [(objective, method, cfg_scale,
+                   "fp32" if cfg_scale == 1 else {"rf": "bf16", "ddpm": "fp16"}[objective])
+                  for objective in ("rf", "ddpm")
+                  for method in dit.make_objective(objective).METHODS
+                  for cfg_scale in (1.0, 1.5)]
+
+
+@pytest.mark.usefixtures("xla_attention")
+@pytest.mark.parametrize("objective, method, cfg_scale, precision", SAMPLING_CASES)
+def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precision):
+    every_switch = {name: True for name in dit.ARCHS["dit"]}
+    graphdef, params = abstract_dit(tiny_config(objective, **every_switch),
+                                    dit.compute_dtype(precision))
+    trajectory = method in ("heun", "ddim")
+    sampler = dit.Sampler(graphdef, dit.make_objective(objective), dit.make_mesh(), steps=2,
+                          method=method, cfg_scale=cfg_scale, guidance_channels=3,
+                          interval=(100, 900), return_trajectory=trajectory)
+    noise, y = spec((4, 8, 8, 4)), spec((4,), jnp.int32)
+    run = lower(sampler.run, params, noise, y, jax.eval_shape(lambda: jax.random.key(0)))
+    assert run.out_avals[0].shape == (4, 8, 8, 4) and len(run.out_avals) == 1 + trajectory
+    images = lower(sampler.finish, None, noise)
+    assert images.out_avals[0].dtype == jnp.uint8
+
+
+def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
+    """prepare_imagenet100's encoder (encode_with_flip, jitted as sharded_apply jits it) and the
+    samplers' chunked decoder (Sampler.finish with load_decoder's VAE): 7 latents in chunks of 3,
+    two and a remainder. Float32, the VAE of CPUs and of float16 models; bfloat16's is lowered over
+    8 devices below."""
+    vae = dit.load_decoder(fixture("vae_reference"), 4, dit.vae_dtype("fp32"))
+    graphdef, state = nnx.split(vae)
+    encode = lower(jax.jit(lambda state, x: prepare_imagenet100.encode_with_flip(
+        nnx.merge(graphdef, state), x)), state, spec((2, 16, 16, 3), jnp.uint8))
+    assert encode.out_avals[0].shape == (2, 2, 8, 8, 8)
+    monkeypatch.setattr(dit, "DECODE_CHUNK", 3)
+    sampler = dit.Sampler(abstract_dit(tiny_config("rf"))[0], dit.make_objective("rf"),
+                          dit.make_mesh(), steps=2, method="euler", cfg_scale=1.0, vae=vae,
+                          latent_scale=vae.cfg.scaling_factor)
+    decode = lower(sampler.finish, sampler.vae[1], spec((7, 8, 8, 4)))
+    assert decode.out_avals[0].shape == (7, 16, 16, 3)
+
+
+def test_inception_lowers_for_tpu_and_cuda(inception):
+    """fid.py's Inception forward, which FID and prepare_imagenet100's statistics run."""
+    graphdef, state = nnx.split(inception)
+    forward = lower(fid._inception_forward, graphdef, state, spec((2, 32, 32, 3), jnp.uint8))
+    assert [a.shape for a in forward.out_avals] == [(2, 2048), (2, 1008)]
+
+
+def test_cudnn_attention_lowers_for_cuda(monkeypatch):
+    """On NVIDIA GPUs from Ampere on, 16-bit models attend with cuDNN's fused attention
+    (attention_implementation), which the lowerings above, made as for a TPU, do not take: here the
+    training step and a guided sampler take it, for CUDA. Its custom calls carry no compatibility
+    guarantee, which jax.export checks for files meant to be kept; these lowerings are not kept."""
+    ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+    choose = dit.attention_implementation
+    monkeypatch.setattr(dit, "attention_implementation",
+                        lambda dtype, head_dim, device=None: choose(dtype, head_dim, ampere))
+    cfg = tiny_config("rf", "dit+", hidden_size=64)  # heads of 32, a multiple of 8
+    assert dit.attention_implementation(jnp.bfloat16, cfg.hidden_size // cfg.num_heads) == "cudnn"
+    fused = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    cuda = dict(platforms=("cuda",),
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in fused])
+    try:
+        _, step = lower_training(cfg, "rf", "bf16", "dots", **cuda)
+    except RuntimeError as e:
+        if "cuDNN is not detected" not in str(e):
+            raise
+        pytest.skip("cuDNN's fused attention cannot be lowered without the cuDNN library: "
+                    "jax.nn.dot_product_attention(implementation='cudnn') asks the installed "
+                    "cuDNN for its version while it traces; this test runs where CUDA does")
+    assert all(target in step.mlir_module() for target in fused)
+    graphdef, params = abstract_dit(cfg, jnp.bfloat16)
+    sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=2,
+                          method="heun", cfg_scale=1.5)
+    run = lower(sampler.run, params, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
+                jax.eval_shape(lambda: jax.random.key(0)), **cuda)
+    assert fused[0] in run.mlir_module()
+
+
+def lower_on_a_v3_8(vae_dir):
+    """What a TPU v3-8's 8 cores compile, at TPUs' default precision, bfloat16 (run with 8 devices
+    by the next test): train()'s programs with the batch split over the devices, and with FSDP; a
+    guided sampler and its chunked decoder (a shard_map over the devices) with the VAE in vae_dir;
+    prepare_imagenet100's encoder. Returns what each lowering records of its devices and
+    shardings."""
+    assert jax.device_count() == 8
+    mesh, found = dit.make_mesh(), {}
+    for fsdp in (False, True):
+        state, step = lower_training(tiny_config("rf", "dit+"), "rf", "bf16", "dots", batch=8,
+                                     fsdp=fsdp, lower_init=True)
+        shardings = step.in_shardings_jax(mesh)
+        found["fsdp" if fsdp else "data"] = {
+            "devices": step.nr_devices, "batch": list(shardings[-2].spec),
+            "split_state": sum(any(s.spec) for s in shardings[:-2])}
+    vae = dit.load_decoder(vae_dir, 4, dit.vae_dtype("bf16"))
+    graphdef, params = abstract_dit(tiny_config("rf", "dit+"), jnp.bfloat16)
+    sampler = dit.Sampler(graphdef, dit.make_objective("rf"), mesh, steps=2, method="heun",
+                          cfg_scale=1.5, vae=vae, latent_scale=vae.cfg.scaling_factor)
+    noise = spec((8, 8, 8, 4))
+    found["sample"] = lower(sampler.run, params, noise, spec((8,), jnp.int32),
+                            jax.eval_shape(lambda: jax.random.key(0))).nr_devices
+    found["decode"] = lower(sampler.finish, sampler.vae[1], noise).nr_devices
+    graphdef, state = nnx.split(vae)
+    split = NamedSharding(mesh, P("data"))
+    found["encode"] = lower(jax.jit(lambda state, x: prepare_imagenet100.encode_with_flip(
+        nnx.merge(graphdef, state), x), out_shardings=split), state,
+        spec((8, 16, 16, 3), jnp.uint8, split)).nr_devices
+    return found
+
+
+def test_programs_lower_for_the_8_cores_of_a_tpu_v3_8():
+    script = (f"import json, sys; sys.path.insert(0, {HERE!r}); import test_dit; "
+              f"print(json.dumps(test_dit.lower_on_a_v3_8({fixture('vae_reference')!r})))")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["data"] == {"devices": 8, "batch": ["data"], "split_state": 0}
+    assert found["fsdp"]["devices"] == 8 and found["fsdp"]["split_state"] > 0
+    assert found["sample"] == found["decode"] == found["encode"] == 8
 
 
 #################################################################################
