@@ -2374,10 +2374,11 @@ class TensorBoard:
             return
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.writer = EventFileWriter(os.path.join(run_dir, "tensorboard"))
-        # A resumed run: TensorBoard drops what an earlier process logged after `start`, as
-        # MetricsLog drops it from metrics.jsonl.
+        # A resumed run: TensorBoard drops what an earlier process logged after `start` (from the
+        # step of this event on), as MetricsLog drops it from metrics.jsonl.
         start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-        self.writer.add_event(self.event(wall_time=time.time(), step=start, session_log=start_log))
+        self.writer.add_event(self.event(wall_time=time.time(), step=start + 1,
+                                         session_log=start_log))
 
     def write(self, step, values):
         if self.writer:

@@ -3880,6 +3880,36 @@ def test_vae_config_is_checked_before_the_model_is_built(tmp_path):
         _refused(load_vae, tmp_path, says)
 
 
+def test_tensorboard_holds_each_step_once(tmp_path, monkeypatch, capsys):
+    """The records and grids go to TensorBoard's event files as they go to metrics.jsonl; a run
+    resumed at step 3 replaces what an earlier process logged after step 3. Without the
+    tensorboard package, one line says so."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    first = dit.TensorBoard(str(tmp_path), 0)
+    for step in range(1, 6):
+        first.scalars({"step": step, "loss": 1.0 / step, "loss_t": {"0.00-0.25": 2.0, "x": None}})
+    first.writer.close()
+    resumed = dit.TensorBoard(str(tmp_path), 3)
+    for step in (4, 5):
+        resumed.scalars({"step": step, "loss": 10.0 * step})
+    resumed.image(5, Image.new("RGB", (6, 4), (255, 0, 0)))
+    resumed.writer.close()
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("loss")] == [1, 2, 3, 4, 5]
+    assert [e.value for e in board.Scalars("loss")] == pytest.approx([1, 1 / 2, 1 / 3, 40, 50])
+    assert [e.step for e in board.Scalars("loss_t/0.00-0.25")] == [1, 2, 3]
+    (image,) = board.Images("samples")
+    assert (image.step, image.width, image.height) == (5, 6, 4)
+    assert Image.open(io.BytesIO(image.encoded_image_string)).getpixel((0, 0)) == (255, 0, 0)
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "tensorboard"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    dit.TensorBoard(str(tmp_path / "without"), 0).scalars({"step": 1, "loss": 1.0})
+    assert "tensorboard package is not installed" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "without")
+
+
 def test_metrics_log_drops_lines_that_are_not_records(tmp_path):
     """A resumed run keeps the records up to its step; a damaged line goes, with no error."""
     (tmp_path / "metrics.jsonl").write_bytes(
