@@ -1777,8 +1777,8 @@ def test_loader_rejects_bad_arguments():
 # Stops the process dead (no cleanup, like SIGKILL) right after the checkpoint of step 3 is written.
 KILL_AFTER_CHECKPOINT = """
 save = dit.save_checkpoint
-def save_then_die(run_dir, state, meta, keep):
-    save(run_dir, state, meta, keep)
+def save_then_die(run_dir, state, *args):
+    save(run_dir, state, *args)
     if int(state["step"]) == 3:
         os._exit(9)
 dit.save_checkpoint = save_then_die
