@@ -2633,12 +2633,16 @@ def run_dir_is_shared(run_dir):
     whose hosts keep to their local disks. Process 0 writes a file of a random name there and the
     others look for it; writing it also finds a folder that cannot be written now rather than at
     the first checkpoint."""
-    os.makedirs(run_dir, exist_ok=True)
     # process 0's random name: a probe that a crashed run left behind is not taken for this one's
     token = multihost_utils.broadcast_one_to_all(np.random.default_rng().integers(2**31))
     probe = os.path.join(run_dir, f".shared-{int(token)}")
-    if jax.process_index() == 0:
-        write_atomically(probe, lambda f: None)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        if jax.process_index() == 0:
+            write_atomically(probe, lambda f: None)
+    except OSError as e:
+        raise InputError(f"cannot write in {run_dir} ({e.strerror or e}): the run's checkpoints go "
+                         f"there; choose a --run-dir that can be written") from None
     if jax.process_count() == 1:
         os.remove(probe)
         return True

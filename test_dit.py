@@ -10,6 +10,7 @@ Run: python -m pytest -q test_dit.py
 """
 import atexit
 import dataclasses
+import errno
 import functools
 import glob
 import gzip
@@ -21,6 +22,7 @@ import pickle
 import re
 import runpy
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -1882,6 +1884,59 @@ def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def small_state(step):
+    """A training state of 1 MB (250,000 float32 numbers) at `step`."""
+    return {"step": jnp.int32(step), "params": {"w": jnp.full((500, 500), step, jnp.float32)}}
+
+
+def read_only_open(file, mode="r", *args, **kwargs):
+    """open() in a folder on a read-only filesystem (Kaggle's /kaggle/input, a mounted archive): a
+    root user is refused it too, unlike a folder without write permission."""
+    if set(mode) & set("wax+"):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), file)
+    return open(file, mode, *args, **kwargs)
+
+
+def test_checkpoint_that_cannot_be_written_stops_in_one_line_and_keeps_the_one_before(
+        tmp_path, folder_data, monkeypatch):
+    """A disk that fills during the write, one that has too little space before it, a read-only
+    folder: each ends the run with an InputError (one line on the command line) that names the
+    folder, the space a checkpoint needs and the checkpoint the same command continues from; the
+    checkpoint before stays whole and no partial file is left. A run directory that cannot be
+    written is refused at the start."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints"
+    dit.save_checkpoint(str(run_dir), small_state(3), {}, keep=3)
+
+    def savez_until_full(f, **arrays):
+        f.write(b"PK\x03\x04" + bytes(1000))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    full_disk = [(np, "savez", savez_until_full)]
+    little_space = [(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=500_000))]
+    read_only = [(dit, "open", read_only_open)]
+    for patches, why in [(full_disk, os.strerror(errno.ENOSPC)),
+                         (little_space, r"not enough space\): it needs 1\.0 MB, 0\.5 MB free"),
+                         (read_only, os.strerror(errno.EROFS))]:
+        with monkeypatch.context() as m:
+            for module, name, value in patches:
+                m.setattr(module, name, value, raising=False)
+            with pytest.raises(fid.InputError) as info:
+                dit.save_checkpoint(str(run_dir), small_state(6), {}, keep=3)
+        message = str(info.value)
+        assert re.match(f"cannot write the checkpoint of step 6 in {re.escape(str(folder))} "
+                        f"\\({why}", message), message
+        assert "it needs 1.0 MB" in message and "continue from step_0000003.npz" in message
+        assert "\n" not in message
+        assert os.listdir(folder) == ["step_0000003.npz"]
+        meta, arrays = dit.read_checkpoint(str(folder / "step_0000003.npz"))
+        assert meta == {"step": 3} and (arrays["params.w"] == 3).all()
+    monkeypatch.setattr(dit, "open", read_only_open, raising=False)
+    with pytest.raises(fid.InputError, match=f"cannot write in {re.escape(str(tmp_path / 'new'))} "
+                       f"\\({os.strerror(errno.EROFS)}\\)"):
+        dit.main(train_args(folder_data, tmp_path / "new", 2))
+
+
 #################################################################################
 #                             12. The training loop                             #
 #################################################################################
@@ -1898,6 +1953,110 @@ def test_default_precision_per_device():
         assert dit.default_precision(device("gpu", capability)) == "bf16", name
     for capability, name in [("7.5", "T4"), ("7.0", "V100"), ("6.0", "P100")]:
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
+
+
+# Sends the process a signal (in a multi-host run, process `process` alone) while the data loader
+# prepares the second batch of the run: it arrives during the first step or the wait for the
+# second, and before the second step's batch reaches the training loop.
+SIGNAL_AT_SECOND_BATCH = """
+import signal
+import jax
+batch = dit.Loader.batch
+def batch_and_signal(self, step):
+    if step == self.start_step + 1 and jax.process_index() == {process}:
+        os.kill(os.getpid(), signal.{signal})
+    return batch(self, step)
+dit.Loader.batch = batch_and_signal
+"""
+
+
+# The second batch of the run takes 1.5 s: a time limit of 1 s has passed before the second step.
+SLOW_SECOND_BATCH = """
+import time
+batch = dit.Loader.batch
+def slow_batch(self, step):
+    if step == self.start_step + 1:
+        time.sleep(1.5)
+    return batch(self, step)
+dit.Loader.batch = slow_batch
+"""
+
+
+def test_ctrl_c_and_time_limit_stop_with_a_checkpoint_and_resume_exactly(tmp_path, folder_data,
+                                                                        straight_run):
+    """Ctrl-C (SIGINT) one step into a run, then --time-limit in the resumed run: each ends after a
+    whole step with a checkpoint of it and one line that says so; the run that goes on from there
+    ends as the uninterrupted one, bit for bit."""
+    run_dir, stops = tmp_path / "run", [0]
+    args = train_args(folder_data, run_dir, 9, VALIDATION)
+    for patch, extra, reason in [(SIGNAL_AT_SECOND_BATCH.format(signal="SIGINT", process=0), [],
+                                  "interrupted"),
+                                 (SLOW_SECOND_BATCH, ["--time-limit", "1s"],
+                                  "reached --time-limit")]:
+        out = run_dit(tmp_path, [*args, *extra], patch=patch)
+        last = out.stdout.splitlines()[-1]
+        match = re.fullmatch(f"{reason} at step (\\d+) of 9: saved (.+); the same command "
+                             f"continues from there", last)
+        assert match, last
+        step = int(match[1])
+        # the step under way when the signal came, or the one after, and no later
+        assert stops[-1] + 1 <= step <= stops[-1] + 2, (stops, last)
+        assert match[2] == str(run_dir / "checkpoints" / f"step_{step:07d}.npz")
+        assert int(dit.read_checkpoint(match[2])[1]["step"]) == step
+        stops.append(step)
+    out = run_dit(tmp_path, args)
+    assert f"step_{stops[-1]:07d}.npz" in out.stdout
+    a, b = state_at(straight_run, 9), final_state(run_dir)[1]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    resumed = records(run_dir)
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 10))
+    assert ([r for r in resumed if "val_loss" in r]
+            == [r for r in records(straight_run) if "val_loss" in r])
+
+
+def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
+    """Inside `with Stop`, SIGTERM and a first SIGINT ask for a stop, a second SIGINT raises
+    KeyboardInterrupt at once; outside, the handlers from before are back (a notebook calls main()
+    many times). From another thread, where Python installs no handler, only the time limit
+    stops."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with dit.Stop(None) as stop:
+        assert stop.reason(1) is None
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.reason(1) == "interrupted"
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with pytest.raises(KeyboardInterrupt), dit.Stop(None) as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.reason(1) == "interrupted"
+        signal.raise_signal(signal.SIGINT)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    reasons = []
+
+    def in_a_thread():
+        with dit.Stop(0.01) as stop:
+            time.sleep(0.02)
+            reasons.append(stop.reason(1))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert reasons == ["reached --time-limit"]
+
+
+@pytest.mark.parametrize("text, seconds", [("8h30m", 8 * 3600 + 30 * 60), ("90m", 5400),
+                                           ("45s", 45), ("1h", 3600), ("2m30s", 150)])
+def test_time_limit_is_read_as_hours_minutes_seconds(text, seconds):
+    assert dit.build_parser().parse_args(["train", "--time-limit", text]).time_limit == seconds
+
+
+@pytest.mark.parametrize("text", ["8", "8x", "30m8h", "0s", "", "1.5h"])
+def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text, capsys):
+    with pytest.raises(SystemExit) as info:
+        dit.main(["--time-limit", text])
+    assert info.value.code == 2
+    assert (f"argument --time-limit: expected a duration such as 8h30m, 90m or 45s, got {text!r}"
+            in capsys.readouterr().err)
 
 
 def test_four_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
@@ -1922,27 +2081,74 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_hosts_equal_one(tmp_path, folder_data, straight_run):
-    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 1 device.
-    Process 0 joins by the command-line flags, process 1 as the second task of a SLURM job would,
-    from the environment (JAX reads the task count and index from SLURM's variables)."""
+def run_two_hosts(tmp_path, data_dir, run_dirs, steps, patch=""):
+    """Train on 2 processes x 2 devices joined by jax.distributed on localhost, process k in
+    run_dirs[k]: the outputs of both. Process 0 joins by the command-line flags, process 1 as the
+    second task of a SLURM job would, from the environment (JAX reads the task count and index from
+    SLURM's variables)."""
     port = free_port()
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(here=HERE, patch=""))
+    script.write_text(DRIVER.format(here=HERE, patch=patch))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu"}
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
              "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
              "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
-    args = train_args(folder_data, tmp_path / "multi", 3, VALIDATION)
-    procs = [subprocess.Popen([sys.executable, str(script), *args, *extra], env={**env, **more},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for extra, more in [(["--coordinator", f"localhost:{port}", "--num-processes", "2",
-                                   "--process-id", "0"], {}), ([], slurm)]]
+    joins = [(["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"],
+              {}), ([], slurm)]
+    procs = [subprocess.Popen([sys.executable, str(script),
+                               *train_args(data_dir, run_dir, steps, VALIDATION), *flags],
+                              env={**env, **more}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for run_dir, (flags, more) in zip(run_dirs, joins)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    assert "4 devices, 2 processes" in outs[0]
-    assert_states_close(state_at(straight_run, 3), final_state(tmp_path / "multi")[1])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory, folder_data):
+    """Three steps on 2 processes x 2 devices sharing one run directory: (run directory, output of
+    process 0)."""
+    tmp_path = tmp_path_factory.mktemp("two_hosts")
+    run_dir = tmp_path / "multi"
+    return run_dir, run_two_hosts(tmp_path, folder_data, [run_dir, run_dir], 3)[0]
+
+
+def test_two_hosts_equal_one(two_hosts, straight_run):
+    """2 processes x 2 devices == 1 process x 1 device."""
+    run_dir, out = two_hosts
+    assert "4 devices, 2 processes" in out
+    assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
+
+
+def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, folder_data,
+                                                                     two_hosts):
+    """Each process's run directory is a folder of its own, as on the local disks of a TPU pod
+    slice's hosts. SIGTERM reaches process 1 alone during step 1; the processes agree on stopping
+    every STOP_CHECK_EVERY steps (2 here), so both stop after step 2, each with its own whole copy
+    of the checkpoint, and resume from their own disks to end as the run that shares one
+    directory and was never stopped, bit for bit."""
+    run_dirs = [tmp_path / "host0" / "run", tmp_path / "host1" / "run"]
+    patch = "dit.STOP_CHECK_EVERY = 2\n" + SIGNAL_AT_SECOND_BATCH.format(signal="SIGTERM",
+                                                                         process=1)
+    outs = run_two_hosts(tmp_path, folder_data, run_dirs, 3, patch)
+    ckpt = run_dirs[0] / "checkpoints" / "step_0000002.npz"
+    assert outs[0].splitlines()[-1] == (f"interrupted at step 2 of 3: saved {ckpt} (on every "
+                                        f"host); the same command continues from there")
+    copies = [state_at(run_dir, 2) for run_dir in run_dirs]
+    for k in copies[0]:
+        np.testing.assert_array_equal(copies[0][k], copies[1][k], err_msg=k)
+    assert all(os.path.exists(run_dir / "run.json") for run_dir in run_dirs)
+    outs = run_two_hosts(tmp_path, folder_data, run_dirs, 3)
+    assert all("resumed" in out for out in outs)
+    straight = final_state(two_hosts[0])[1]
+    for run_dir in run_dirs:
+        resumed = final_state(run_dir)[1]
+        assert int(resumed["step"]) == 3
+        for k in straight:
+            np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
+    assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
 
 
 def losses(run_dir):
