@@ -2634,7 +2634,8 @@ def run_dir_is_shared(run_dir):
     others look for it; writing it also finds a folder that cannot be written now rather than at
     the first checkpoint."""
     # process 0's random name: a probe that a crashed run left behind is not taken for this one's
-    token = multihost_utils.broadcast_one_to_all(np.random.default_rng().integers(2**31))
+    token = np.random.default_rng().integers(2**31, dtype=np.int32)
+    token = multihost_utils.broadcast_one_to_all(token)
     probe = os.path.join(run_dir, f".shared-{int(token)}")
     try:
         os.makedirs(run_dir, exist_ok=True)
