@@ -3413,7 +3413,7 @@ def build_parser():
     t.add_argument("--ckpt-every", type=fid.positive_int, help="steps between checkpoints")
     t.add_argument("--keep", type=fid.positive_int, default=3,
                    help="checkpoints kept (the newest is what a run resumes from)")
-    t.add_argument("--time-limit", type=duration,
+    t.add_argument("--time-limit", type=duration, metavar="DURATION",
                    help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before "
                    "a notebook session or a job ends (Ctrl-C and SIGTERM stop the same way); the "
                    "same command continues")
