@@ -46,10 +46,13 @@ import pickle
 import pickletools
 import re
 import reprlib
+import shutil
+import signal
 import socket
 import struct
 import sys
 import tarfile
+import threading
 import time
 import types
 import urllib.request
@@ -2054,13 +2057,19 @@ def to_host(x):
 
 def write_atomically(path, write):
     """Write a file so that a crash at any instant leaves either the old file or the new one, whole:
-    write a temporary file, flush it to disk, rename it over the target, and flush the directory."""
+    write a temporary file, flush it to disk, rename it over the target, and flush the directory.
+    A write that fails (a full disk) removes its temporary file."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -2068,20 +2077,50 @@ def write_atomically(path, write):
         os.close(dir_fd)
 
 
-def save_checkpoint(run_dir, state, meta, keep):
-    """Save the whole training state as checkpoints/step_XXXXXXX.npz and keep the newest `keep`."""
-    # every process joins the gather; process 0 alone writes
+def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
+    """Save the whole training state as checkpoints/step_XXXXXXX.npz, keep the newest `keep`, and
+    return its path. Process 0 writes it; where the hosts have no disk in common (open_run), every
+    process writes its own copy. A checkpoint that cannot be written (a full disk, a read-only
+    folder) stops every process with one line, and the ones before stay whole."""
+    # every process joins the gather
     arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}
-    if jax.process_index() != 0:
-        return
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    os.makedirs(ckpt_dir, exist_ok=True)
     step = int(arrays["step"])
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
     path = os.path.join(ckpt_dir, f"step_{step:07d}.npz")
     header = np.array(json.dumps({**meta, "step": step}))
-    write_atomically(path, lambda f: np.savez(f, __meta__=header, **arrays))
-    for old in list_checkpoints(run_dir)[:-keep]:
-        os.remove(old)
+    writes = local_disks or jax.process_index() == 0
+    # the arrays, and a generous allowance for the .npy and zip headers of each
+    needs = header.nbytes + sum(a.nbytes + 1024 for a in arrays.values())
+    failure, free = None, None
+    if writes:
+        try:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            free = shutil.disk_usage(ckpt_dir).free
+            if free < needs:  # refused before a byte is written, rather than by a full disk
+                failure = "not enough space"
+            else:
+                write_atomically(path, lambda f: np.savez(f, __meta__=header, **arrays))
+        except OSError as e:
+            failure = e.strerror or str(e)
+    # Every process learns whether every copy is whole, before any older one is deleted (so that
+    # the hosts always have a checkpoint in common) and before any goes on alone.
+    failed = [failure is not None]
+    if jax.process_count() > 1:
+        failed = multihost_utils.process_allgather(np.int32(failure is not None))
+    if failure:
+        free = "" if free is None else f", {free / 1e6:,.1f} MB free"
+        before = [os.path.basename(p) for p in list_checkpoints(run_dir)]
+        raise InputError(f"cannot write the checkpoint of step {step} in {ckpt_dir} ({failure}): "
+                         f"it needs {needs / 1e6:,.1f} MB{free}; make room there (--keep N keeps "
+                         f"fewer), then run the same command to continue from "
+                         f"{before[-1] if before else 'the start'}")
+    if any(failed):
+        raise InputError(f"process {int(np.argmax(failed))} could not write the checkpoint of step "
+                         f"{step}; its message says why")
+    if writes:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            os.remove(old)
+    return path
 
 
 def list_checkpoints(run_dir):
@@ -2194,6 +2233,63 @@ class StepTrace:
                 jax.profiler.start_trace(self.directory)
             else:
                 jax.profiler.stop_trace()
+
+
+# With several processes, the steps after which they agree whether to stop: the all-reduce of one
+# flag waits for the step in flight, which would otherwise overlap the next step's dispatch. One
+# process checks after every step.
+STOP_CHECK_EVERY = 10
+
+
+class Stop:
+    """A stop after a whole step, with a checkpoint, on Ctrl-C (SIGINT, also a notebook's stop
+    button), SIGTERM (sent to a preempted TPU VM, or a notebook session that ends) or --time-limit
+    SECONDS after the start. Signal handlers are installed only inside `with Stop(...)` and the
+    previous ones put back after, as a notebook calls main() many times; a second Ctrl-C stops at
+    once. Called from a thread other than the main one, where Python takes no signal handlers, only
+    the time limit stops a run."""
+
+    def __init__(self, time_limit):
+        self.deadline = time.monotonic() + (time_limit or math.inf)
+        self.signal, self.previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.request)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            # None: a handler that Python did not install, which it cannot put back
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def request(self, sig, frame):
+        """The signal handler. Python runs it in the main thread between two instructions, also
+        while that thread waits for the data loader, and after a jitted call returns. It only
+        notes the request: printing here could re-enter a write that it interrupted."""
+        if self.signal == sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = sig
+
+    def reason(self, done):
+        """Why every process stops after step `done`, or None to go on."""
+        if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
+            return None
+        wanted = 2 if self.signal else 1 if time.monotonic() > self.deadline else 0
+        if jax.process_count() > 1:
+            wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
+        return [None, "reached --time-limit", "interrupted"][wanted]
+
+
+def duration(text):
+    """--time-limit: 8h30m, 90m, 45s, 1h (seconds)."""
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text.strip())
+    seconds = match and 3600 * int(match[1] or 0) + 60 * int(match[2] or 0) + int(match[3] or 0)
+    if not seconds:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 8h30m, 90m or 45s, got "
+                                         f"{text!r}")
+    return seconds
 
 
 # Settings that define a run: resuming with different ones would silently train something else.
@@ -2309,10 +2405,11 @@ def jit_train_step(graphdef, objective, tx, ema_decay, seed, mesh, shardings):
 
 
 def open_run(args, cfg, ds):
-    """(checkpoint to resume from or None, the run's metadata for its checkpoints), with the run
-    directory made ready: a new one records the run's defining settings; an existing one must hold
-    the same run, and the temporary files of a save that a crash interrupted are deleted. The data
-    order follows from the dataset's size, so a dataset that changed could not resume exactly."""
+    """(checkpoint to resume from or None, the run's metadata for its checkpoints, whether each host
+    keeps its own copy of the run directory), with the run directory made ready: a new one records
+    the run's defining settings; an existing one must hold the same run, and the temporary files
+    of a save that a crash interrupted are deleted. The data order follows from the dataset's size,
+    so a dataset that changed could not resume exactly."""
     settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds),
                 "num_classes": ds.num_classes}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
@@ -2339,22 +2436,74 @@ def open_run(args, cfg, ds):
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
                              f"--run-dir, or the same settings to resume it.")
-    elif jax.process_index() == 0:
-        os.makedirs(args.run_dir, exist_ok=True)
+    local_disks = not run_dir_is_shared(args.run_dir)
+    writes = local_disks or jax.process_index() == 0
+    if writes and not os.path.exists(path):
         write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
-    # Only process 0 writes checkpoints, so the run directory must be one that every host sees.
-    # Checked before restoring, which is itself collective: hosts restoring different files would
+    # Agreed before restoring, which is itself collective: hosts restoring different files would
     # never meet.
-    name = os.path.basename(checkpoint or "")
-    multihost_utils.assert_equal(np.int32(zlib.crc32(name.encode()) >> 1),
-                                 f"the hosts found different checkpoints in {args.run_dir}: it "
-                                 f"must be on a filesystem that all hosts share")
+    checkpoint = agree_on_checkpoint(args.run_dir, checkpoint, args.resume in (None, "latest"))
     ckpt_dir = os.path.join(args.run_dir, "checkpoints")
-    if jax.process_index() == 0 and os.path.isdir(ckpt_dir):
+    if writes and os.path.isdir(ckpt_dir):
         for name in os.listdir(ckpt_dir):
             if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
                 os.remove(os.path.join(ckpt_dir, name))
-    return checkpoint, meta
+    return checkpoint, meta, local_disks
+
+
+def run_dir_is_shared(run_dir):
+    """Whether every process sees the same run directory (one host, or a filesystem that the hosts
+    share) rather than a folder of the same name on each host's own disk, as on a TPU pod slice
+    whose hosts keep to their local disks. Process 0 writes a file of a random name there and the
+    others look for it; writing it also finds a folder that cannot be written now rather than at
+    the first checkpoint."""
+    # process 0's random name: a probe that a crashed run left behind is not taken for this one's
+    token = np.random.default_rng().integers(2**31, dtype=np.int32)
+    token = multihost_utils.broadcast_one_to_all(token)
+    probe = os.path.join(run_dir, f".shared-{int(token)}")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        if jax.process_index() == 0:
+            write_atomically(probe, lambda f: None)
+    except OSError as e:
+        raise InputError(f"cannot write in {run_dir} ({e.strerror or e}): the run's checkpoints go "
+                         f"there; choose a --run-dir that can be written") from None
+    if jax.process_count() == 1:
+        os.remove(probe)
+        return True
+    multihost_utils.sync_global_devices("process 0 wrote the probe of the run directory")
+    seen = multihost_utils.process_allgather(np.int32(os.path.exists(probe)))
+    if jax.process_index() == 0:  # every process has looked: the gather waited for all
+        os.remove(probe)
+    if seen[1:].any() and not seen.all():
+        raise InputError(f"some hosts see process 0's {run_dir} and others do not: make it a "
+                         f"folder that all hosts share, or one on each host's own disk")
+    return bool(seen.all())
+
+
+def agree_on_checkpoint(run_dir, checkpoint, automatic):
+    """The checkpoint that every process resumes from, given the one each found. Where each host has
+    its own disk, a save that a crash interrupted may have finished on some hosts and not on the
+    others: they go back to the newest checkpoint that all have, which save_checkpoint keeps until
+    every host has the next."""
+    if jax.process_count() == 1:
+        return checkpoint
+    name = os.path.basename(checkpoint or "")
+    names = multihost_utils.process_allgather(np.int32(zlib.crc32(name.encode()) >> 1))
+    if (names == names[0]).all():
+        return checkpoint
+    if not automatic:
+        raise InputError(f"--resume: the processes found different files at {checkpoint}")
+    newest = multihost_utils.process_allgather(np.int32(int(name[5:12]) if name else -1))
+    common = os.path.join(run_dir, "checkpoints", f"step_{newest.min():07d}.npz")
+    have = multihost_utils.process_allgather(np.int32(os.path.isfile(common)))
+    if newest.min() < 0 or not have.all():
+        lacking = int(np.argmin(have)) if newest.min() >= 0 else int(np.argmin(newest))
+        raise InputError(f"the hosts found different checkpoints in {run_dir} (newest steps "
+                         f"{newest.tolist()}, process by process) and none that all have: copy "
+                         f"the newest from process 0's host to process {lacking}'s, or use a "
+                         f"folder that all hosts share")
+    return common
 
 
 class TensorBoard:
@@ -2496,6 +2645,7 @@ class Run:
     step: int
     loss: float | None
     fid: float | None
+    stopped: str | None  # "interrupted" or "reached --time-limit" before the last step; None
     state: dict = dataclasses.field(repr=False)
 
 
@@ -2513,7 +2663,8 @@ def train(args):
     train_idx, held_out = hold_out(len(ds), args.val_images)
 
     # The run directory, and the state: restored from a checkpoint, or new.
-    checkpoint, meta = open_run(args, cfg, ds)
+    stop = Stop(args.time_limit)  # the time limit counts from here
+    checkpoint, meta, local_disks = open_run(args, cfg, ds)
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
@@ -2529,12 +2680,14 @@ def train(args):
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
     # The loop: one step on every global batch, assembled from each process's share; then logging,
-    # checkpoints, sample grids and FID at their intervals.
+    # checkpoints, sample grids and FID at their intervals. Ctrl-C, SIGTERM or the time limit end
+    # it after a whole step, at the same step on every process, with a checkpoint.
     batch = NamedSharding(mesh, P("data"))
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
                disable=jax.process_index() != 0)
-    with Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
-                subset=train_idx) as loader:
+    stopped = None
+    with stop, Loader(ds, args.batch_size, args.seed, start, jax.process_index(),
+                      jax.process_count(), subset=train_idx) as loader:
         for step, (x, y) in zip(bar, loader):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
@@ -2542,7 +2695,9 @@ def train(args):
             state, metrics = step_fn(state, x, y)
             log.add(metrics)
             done = step + 1
-            if done % args.log_every == 0 or done % args.ckpt_every == 0 or done == args.steps:
+            stopped = stop.reason(done) if done < args.steps else None
+            last = done == args.steps or stopped
+            if done % args.log_every == 0 or done % args.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
             # The checkpoint last: a run resumed from it keeps the records of its step.
@@ -2553,18 +2708,25 @@ def train(args):
                     evaluator.validation(state["ema"], done, log)
                 if args.fid_every and done % args.fid_every == 0:
                     evaluator.fid(state["ema"], done, args.fid_samples, log)
-                if done % args.ckpt_every == 0 or done == args.steps:
-                    save_checkpoint(args.run_dir, state, meta, args.keep)
+                if done % args.ckpt_every == 0 or last:
+                    saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks)
+            if stopped:
+                break
+    bar.close()
+    if stopped and jax.process_index() == 0:
+        print(f"{stopped} at step {done} of {args.steps}: saved {saved}"
+              f"{' (on every host)' if local_disks else ''}; the same command continues from there")
 
-    # The end: the EMA weights on their own, and the final FID.
-    trace(args.steps, state)
-    if jax.process_index() == 0 and list_checkpoints(args.run_dir):
-        out = os.path.join(args.run_dir, "ema.safetensors")
-        print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], out))
-    if args.final_fid:
-        evaluator.fid(state["ema"], args.steps, args.final_fid, log)
+    # The end of a finished run: the EMA weights on their own, and the final FID.
+    if not stopped:
+        trace(args.steps, state)
+        if jax.process_index() == 0 and list_checkpoints(args.run_dir):
+            out = os.path.join(args.run_dir, "ema.safetensors")
+            print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], out))
+        if args.final_fid:
+            evaluator.fid(state["ema"], args.steps, args.final_fid, log)
     return Run(args.run_dir, int(to_host(state["step"])), log.last.get("loss"),
-               log.last.get("fid"), state)
+               log.last.get("fid"), stopped, state)
 
 
 #################################################################################
@@ -3182,6 +3344,10 @@ def build_parser():
     t.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
     t.add_argument("--keep", type=positive_int, default=3,
                    help="checkpoints kept (the newest is what a run resumes from)")
+    t.add_argument("--time-limit", type=duration, metavar="DURATION",
+                   help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before "
+                   "a notebook session or a job ends (Ctrl-C and SIGTERM stop the same way); the "
+                   "same command continues")
     t.add_argument("--sample-every", type=positive_int, help="steps between sample grids")
     t.add_argument("--val-images", type=non_negative_int, default=0,
                    help="samples held out of training for "

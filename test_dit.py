@@ -11,6 +11,7 @@ Run: python -m pytest -q test_dit.py
 """
 import atexit
 import dataclasses
+import errno
 import functools
 import glob
 import gzip
@@ -19,8 +20,10 @@ import io
 import json
 import os
 import pickle
+import queue
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -1778,8 +1781,8 @@ def test_loader_rejects_bad_arguments():
 # Stops the process dead (no cleanup, like SIGKILL) right after the checkpoint of step 3 is written.
 KILL_AFTER_CHECKPOINT = """
 save = dit.save_checkpoint
-def save_then_die(run_dir, state, meta, keep):
-    save(run_dir, state, meta, keep)
+def save_then_die(run_dir, state, *args):
+    save(run_dir, state, *args)
     if int(state["step"]) == 3:
         os._exit(9)
 dit.save_checkpoint = save_then_die
@@ -1883,6 +1886,59 @@ def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def small_state(step):
+    """A training state of 1 MB (250,000 float32 numbers) at `step`."""
+    return {"step": jnp.int32(step), "params": {"w": jnp.full((500, 500), step, jnp.float32)}}
+
+
+def read_only_open(file, mode="r", *args, **kwargs):
+    """open() in a folder on a read-only filesystem (Kaggle's /kaggle/input, a mounted archive): a
+    root user is refused it too, unlike a folder without write permission."""
+    if set(mode) & set("wax+"):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), file)
+    return open(file, mode, *args, **kwargs)
+
+
+def test_checkpoint_that_cannot_be_written_stops_in_one_line_and_keeps_the_one_before(
+        tmp_path, folder_data, monkeypatch):
+    """A disk that fills during the write, one that has too little space before it, a read-only
+    folder: each ends the run with an InputError (one line on the command line) that names the
+    folder, the space a checkpoint needs and the checkpoint the same command continues from; the
+    checkpoint before stays whole and no partial file is left. A run directory that cannot be
+    written is refused at the start."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints"
+    dit.save_checkpoint(str(run_dir), small_state(3), {}, keep=3)
+
+    def savez_until_full(f, **arrays):
+        f.write(b"PK\x03\x04" + bytes(1000))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    full_disk = [(np, "savez", savez_until_full)]
+    little_space = [(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=500_000))]
+    read_only = [(dit, "open", read_only_open)]
+    for patches, why in [(full_disk, os.strerror(errno.ENOSPC)),
+                         (little_space, r"not enough space\): it needs 1\.0 MB, 0\.5 MB free"),
+                         (read_only, os.strerror(errno.EROFS))]:
+        with monkeypatch.context() as m:
+            for module, name, value in patches:
+                m.setattr(module, name, value, raising=False)
+            with pytest.raises(dit.InputError) as info:
+                dit.save_checkpoint(str(run_dir), small_state(6), {}, keep=3)
+        message = str(info.value)
+        assert re.match(f"cannot write the checkpoint of step 6 in {re.escape(str(folder))} "
+                        f"\\({why}", message), message
+        assert "it needs 1.0 MB" in message and "continue from step_0000003.npz" in message
+        assert "\n" not in message
+        assert os.listdir(folder) == ["step_0000003.npz"]
+        meta, arrays = dit.read_checkpoint(str(folder / "step_0000003.npz"))
+        assert meta == {"step": 3} and (arrays["params.w"] == 3).all()
+    monkeypatch.setattr(dit, "open", read_only_open, raising=False)
+    with pytest.raises(dit.InputError, match=f"cannot write in {re.escape(str(tmp_path / 'new'))} "
+                       f"\\({os.strerror(errno.EROFS)}\\)"):
+        dit.main(train_args(folder_data, tmp_path / "new", 2))
+
+
 #################################################################################
 #                             12. The training loop                             #
 #################################################################################
@@ -1899,6 +1955,88 @@ def test_default_precision_per_device():
         assert dit.default_precision(device("gpu", capability)) == "bf16", name
     for capability, name in [("7.5", "T4"), ("7.0", "V100"), ("6.0", "P100")]:
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
+
+
+# Sends the process a signal (in a multi-host run, process `process` alone) while the data loader
+# prepares the second batch of the run: it arrives during the first step or the wait for the
+# second, and before the second step's batch reaches the training loop.
+SIGNAL_AT_SECOND_BATCH = """
+import signal
+import jax
+batch = dit.Loader.batch
+def batch_and_signal(self, step):
+    if step == self.start_step + 1 and jax.process_index() == {process}:
+        os.kill(os.getpid(), signal.{signal})
+    return batch(self, step)
+dit.Loader.batch = batch_and_signal
+"""
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_data, straight_run):
+    """Ctrl-C (SIGINT) during a run's first steps ends it after a whole step, with a checkpoint of
+    that step and one line that says so; the same command then ends as the uninterrupted run, bit
+    for bit. (SIGTERM and --time-limit take the same way out of the loop: Stop.reason.)"""
+    run_dir = tmp_path / "run"
+    args = train_args(folder_data, run_dir, 9, VALIDATION)
+    out = run_dit(tmp_path, args, patch=SIGNAL_AT_SECOND_BATCH.format(signal="SIGINT", process=0))
+    last = out.stdout.splitlines()[-1]
+    match = re.fullmatch("interrupted at step ([12]) of 9: saved (.+); the same command continues "
+                         "from there", last)
+    assert match, last  # the step under way when the signal came, or the one after
+    step = int(match[1])
+    assert match[2] == str(run_dir / "checkpoints" / f"step_{step:07d}.npz")
+    assert int(dit.read_checkpoint(match[2])[1]["step"]) == step
+    out = run_dit(tmp_path, args)
+    assert f"resumed {match[2]}" in out.stdout
+    a, b = state_at(straight_run, 9), final_state(run_dir)[1]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    resumed = records(run_dir)
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 10))
+    assert ([r for r in resumed if "val_loss" in r]
+            == [r for r in records(straight_run) if "val_loss" in r])
+
+
+def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
+    """Inside `with Stop`, SIGTERM and a first SIGINT ask for a stop, a second SIGINT raises
+    KeyboardInterrupt at once; outside, the handlers from before are back (a notebook calls main()
+    many times). From another thread, where Python installs no handler, only the time limit
+    stops."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with dit.Stop(None) as stop:
+        assert stop.reason(1) is None
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.reason(1) == "interrupted"
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with pytest.raises(KeyboardInterrupt), dit.Stop(None) as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.reason(1) == "interrupted"
+        signal.raise_signal(signal.SIGINT)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    reasons = []
+
+    def in_a_thread():
+        with dit.Stop(0.01) as stop:
+            time.sleep(0.02)
+            reasons.append(stop.reason(1))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert reasons == ["reached --time-limit"]
+
+
+@pytest.mark.parametrize("text, seconds", [("8h30m", 8 * 3600 + 30 * 60), ("90m", 5400),
+                                           ("45s", 45), ("1h", 3600), ("2m30s", 150)])
+def test_time_limit_is_read_as_hours_minutes_seconds(text, seconds):
+    assert dit.build_parser().parse_args(["train", "--time-limit", text]).time_limit == seconds
+
+
+@pytest.mark.parametrize("text", ["8", "8x", "30m8h", "0s", "", "1.5h"])
+def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text):
+    with pytest.raises(dit.InputError, match=re.escape(
+            f"argument --time-limit: expected a duration such as 8h30m, 90m or 45s, got {text!r}")):
+        dit.main(["--time-limit", text])
 
 
 @pytest.mark.parametrize("devices, fsdp", [(4, True), (8, False)])
@@ -1925,27 +2063,74 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_hosts_equal_one(tmp_path, folder_data, straight_run):
-    """2 processes x 2 devices joined by jax.distributed on localhost == 1 process x 1 device.
-    Process 0 joins by the command-line flags, process 1 as the second task of a SLURM job would,
-    from the environment (JAX reads the task count and index from SLURM's variables)."""
+def run_two_hosts(tmp_path, data_dir, run_dirs, steps, patch=""):
+    """Train on 2 processes x 2 devices joined by jax.distributed on localhost, process k in
+    run_dirs[k]: the outputs of both. Process 0 joins by the command-line flags, process 1 as the
+    second task of a SLURM job would, from the environment (JAX reads the task count and index from
+    SLURM's variables)."""
     port = free_port()
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(here=HERE, patch=""))
+    script.write_text(DRIVER.format(here=HERE, patch=patch))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu"}
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
              "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
              "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
-    args = train_args(folder_data, tmp_path / "multi", 3, VALIDATION)
-    procs = [subprocess.Popen([sys.executable, str(script), *args, *extra], env={**env, **more},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for extra, more in [(["--coordinator", f"localhost:{port}", "--num-processes", "2",
-                                   "--process-id", "0"], {}), ([], slurm)]]
+    joins = [(["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"],
+              {}), ([], slurm)]
+    procs = [subprocess.Popen([sys.executable, str(script),
+                               *train_args(data_dir, run_dir, steps, VALIDATION), *flags],
+                              env={**env, **more}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for run_dir, (flags, more) in zip(run_dirs, joins)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    assert "4 devices, 2 processes" in outs[0]
-    assert_states_close(state_at(straight_run, 3), final_state(tmp_path / "multi")[1])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory, folder_data):
+    """Three steps on 2 processes x 2 devices sharing one run directory: (run directory, output of
+    process 0)."""
+    tmp_path = tmp_path_factory.mktemp("two_hosts")
+    run_dir = tmp_path / "multi"
+    return run_dir, run_two_hosts(tmp_path, folder_data, [run_dir, run_dir], 3)[0]
+
+
+def test_two_hosts_equal_one(two_hosts, straight_run):
+    """2 processes x 2 devices == 1 process x 1 device."""
+    run_dir, out = two_hosts
+    assert "4 devices, 2 processes" in out
+    assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
+
+
+def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, folder_data,
+                                                                     two_hosts):
+    """Each process's run directory is a folder of its own, as on the local disks of a TPU pod
+    slice's hosts. SIGTERM reaches process 1 alone during step 1; the processes agree on stopping
+    every STOP_CHECK_EVERY steps (2 here), so both stop after step 2, each with its own whole copy
+    of the checkpoint, and resume from their own disks to end as the run that shares one
+    directory and was never stopped, bit for bit."""
+    run_dirs = [tmp_path / "host0" / "run", tmp_path / "host1" / "run"]
+    patch = "dit.STOP_CHECK_EVERY = 2\n" + SIGNAL_AT_SECOND_BATCH.format(signal="SIGTERM",
+                                                                         process=1)
+    outs = run_two_hosts(tmp_path, folder_data, run_dirs, 3, patch)
+    ckpt = run_dirs[0] / "checkpoints" / "step_0000002.npz"
+    assert outs[0].splitlines()[-1] == (f"interrupted at step 2 of 3: saved {ckpt} (on every "
+                                        f"host); the same command continues from there")
+    copies = [state_at(run_dir, 2) for run_dir in run_dirs]
+    for k in copies[0]:
+        np.testing.assert_array_equal(copies[0][k], copies[1][k], err_msg=k)
+    assert all(os.path.exists(run_dir / "run.json") for run_dir in run_dirs)
+    outs = run_two_hosts(tmp_path, folder_data, run_dirs, 3)
+    assert all("resumed" in out for out in outs)
+    straight = final_state(two_hosts[0])[1]
+    for run_dir in run_dirs:
+        resumed = final_state(run_dir)[1]
+        assert int(resumed["step"]) == 3
+        for k in straight:
+            np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
+    assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
 
 
 def losses(run_dir):
@@ -2253,21 +2438,34 @@ class Kernel:
             kernel_name="python3", cwd=str(cwd),
             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
 
-    def run(self, code, timeout=300):
+    def run(self, code, timeout=300, interrupt_when=None):
         """(status, [(kind, text)]) of a cell: kind is stdout, stderr, error (its traceback
-        lines joined), or a MIME type of the cell's value or of what it displayed."""
-        outputs = []
-
-        def collect(msg):
+        lines joined), or a MIME type of the cell's value or of what it displayed. The kernel is
+        interrupted, as by the stop button, once `interrupt_when()` is true."""
+        msg_id, outputs = self.client.execute(code), []
+        deadline = time.monotonic() + timeout
+        while True:
+            if interrupt_when and interrupt_when():
+                self.manager.interrupt_kernel()
+                interrupt_when = None
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                assert time.monotonic() < deadline, f"the cell ran past {timeout} s: {outputs}"
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
             kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                break
             if kind == "stream":
                 outputs.append((content["name"], content["text"]))
             elif kind in ("execute_result", "display_data"):
                 outputs.extend(content["data"].items())
             elif kind == "error":
                 outputs.append(("error", "\n".join(content["traceback"])))
-
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
+        reply = self.client.get_shell_msg(timeout=timeout)
+        assert reply["parent_header"]["msg_id"] == msg_id
         return reply["content"]["status"], outputs
 
     def paste(self, path):
@@ -2292,19 +2490,39 @@ TINY = 'DIT_SIZES["T"] = dict(hidden_size=32, depth=2, num_heads=2)'
 
 def test_notebook_pasted_both_files(kernel, tmp_path, folder_data, straight_run):
     """fid.py's text, then dit.py's, pasted into cells: they define and run nothing; main trains as
-    the command line does (bit for bit), twice in one kernel; its cell shows a one-line summary,
-    sampling shows the grid, and a bad option is one line with the kernel alive."""
+    the command line does, bit for bit, and its cell shows a one-line summary; the stop button
+    ends a run with a checkpoint and one line, and the same cell again continues it exactly;
+    sampling shows the grid; a bad option is one line with the kernel alive."""
     assert kernel.paste(os.path.join(HERE, "fid.py")) == ("ok", [])
     assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
-    for run in ("first", "second"):
-        argv = train_args(folder_data, tmp_path / run, 9, VALIDATION)
-        status, out = kernel.run(f"{TINY}\nmain({argv!r})")
-        assert status == "ok", out
-        summary = dict(out)["text/plain"]
-        assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(tmp_path / run))}', step=9, "
-                            rf"loss=\d\.\d+(e-\d+)?, fid=None\)", summary), summary
-        for name, value in state_at(straight_run, 9).items():
-            np.testing.assert_array_equal(state_at(tmp_path / run, 9)[name], value, err_msg=name)
+    argv = train_args(folder_data, tmp_path / "first", 9, VALIDATION)
+    status, out = kernel.run(f"{TINY}\nmain({argv!r})")
+    assert status == "ok", out
+    assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(tmp_path / 'first'))}', step=9, "
+                        rf"loss=\d\.\d+(e-\d+)?, fid=None, stopped=None\)",
+                        dict(out)["text/plain"]), out
+    for name, value in state_at(straight_run, 9).items():
+        np.testing.assert_array_equal(state_at(tmp_path / "first", 9)[name], value, err_msg=name)
+
+    # The stop button while the batches come slowly (a second each), once a step is logged.
+    run_dir = tmp_path / "stopped"
+    argv = train_args(folder_data, run_dir, 9, VALIDATION)
+    slow = ("batch = Loader.batch\nLoader.batch = lambda self, step: (time.sleep(1), "
+            "batch(self, step))[1]\n")
+    status, out = kernel.run(f"{slow}main({argv!r})",
+                             interrupt_when=lambda: os.path.exists(run_dir / "metrics.jsonl"))
+    assert status == "ok" and not [text for kind, text in out if kind == "error"], out
+    summary = dict(out)["text/plain"]
+    step = int(re.fullmatch(r"Run\(.*, step=(\d), .*, stopped='interrupted'\)", summary)[1])
+    assert 1 <= step < 9
+    saved = str(run_dir / "checkpoints" / f"step_{step:07d}.npz")
+    assert (f"interrupted at step {step} of 9: saved {saved}; the same command continues from "
+            f"there") in "".join(text for kind, text in out if kind == "stdout"), out
+    status, out = kernel.run(f"Loader.batch = batch\nmain({argv!r})")
+    assert status == "ok" and "stopped=None" in dict(out)["text/plain"], out
+    for name, value in state_at(straight_run, 9).items():
+        np.testing.assert_array_equal(state_at(run_dir, 9)[name], value, err_msg=name)
+
     ckpt = dit.list_checkpoints(tmp_path / "first")[-1]
     status, out = kernel.run(f"main(['sample', '--ckpt', {ckpt!r}, '--n', '4', '--steps', '2', "
                              f"'--out', {str(tmp_path / 'grid.png')!r}])")
