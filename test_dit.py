@@ -2465,7 +2465,8 @@ class Kernel:
             elif kind == "error":
                 outputs.append(("error", "\n".join(content["traceback"])))
         reply = self.client.get_shell_msg(timeout=timeout)
-        assert reply["parent_header"]["msg_id"] == msg_id
+        while reply["parent_header"].get("msg_id") != msg_id:  # the replies of earlier requests
+            reply = self.client.get_shell_msg(timeout=timeout)
         return reply["content"]["status"], outputs
 
     def paste(self, path):
