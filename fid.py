@@ -289,7 +289,7 @@ class InceptionV3(nnx.Module):
 #               Weights: pytorch-fid's file -> converted and cached              #
 #################################################################################
 
-FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/dit.download/fid_weights/"
+FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
                    "pt_inception-2015-12-05-6726825d.pth")
 FID_WEIGHTS_NAME = os.path.basename(FID_WEIGHTS_URL)
 FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
@@ -345,7 +345,8 @@ def _build_inception(params, source):
                     (("missing", missing), ("unexpected", unexpected),
                      ("wrong shape", wrong)) if keys]
         raise dit.InputError(f"{source}: not pytorch-fid's FID Inception weights "
-                         f"({'; '.join(problems)}). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
+                             f"({'; '.join(problems)}). Pass {FID_WEIGHTS_NAME} from "
+                             f"{FID_WEIGHTS_URL}")
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
         {tuple(key.split("/")): jnp.asarray(value) for key, value in params.items()}))
     return nnx.merge(graphdef, state)
@@ -369,12 +370,12 @@ def load_inception(path=None, cache_dir=None):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's "
                                 f"{FID_WEIGHTS_NAME} (from {FID_WEIGHTS_URL}) or leave the path "
-                                f"out to dit.download it")
+                                f"out to download it")
     digest = dit.file_digest(path)
     if digest != FID_WEIGHTS_SHA256 and os.path.basename(path) == FID_WEIGHTS_NAME:
         raise dit.InputError(f"{path}: sha256 {digest} differs from the official "
-                         f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
-                         f"and run again to dit.download it afresh")
+                             f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
+                             f"and run again to download it afresh")
     converted = os.path.join(cache_dir, f"inception-{digest[:16]}.npz")
     if os.path.exists(converted):
         inception = _build_inception(dit.read_npz(converted), path)
@@ -462,8 +463,8 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     if (mu1.shape != mu2.shape or sigma1.shape != sigma2.shape
             or sigma1.shape != (len(mu1), len(mu1))):
         raise dit.InputError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma "
-                         f"{sigma1.shape} vs {sigma2.shape}; both must come from the same features "
-                         f"(2048-d pool3 for FID)")
+                             f"{sigma1.shape} vs {sigma2.shape}; both must come from the same "
+                             f"features (2048-d pool3 for FID)")
     diff = mu1 - mu2
     covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
@@ -474,8 +475,8 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     if np.iscomplexobj(covmean):
         if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
             raise dit.InputError(f"imaginary component {np.max(np.abs(covmean.imag))} in "
-                             f"sqrt(sigma1 sigma2): the statistics are not valid covariance "
-                             f"matrices; compute them again with `python fid.py stats`")
+                                 f"sqrt(sigma1 sigma2): the statistics are not valid covariance "
+                                 f"matrices; compute them again with `python fid.py stats`")
         covmean = covmean.real
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
 
@@ -512,8 +513,8 @@ def load_statistics(path):
     stats = dit.read_npz(path, ["mu", "sigma"])
     if len(stats) < 2:
         raise dit.InputError(f"{path} has no `mu` and `sigma`, so it is not FID statistics; for an "
-                         f".npz of images (`arr_0`) compute them with `python fid.py stats {path} "
-                         f"OUT.npz`")
+                             f".npz of images (`arr_0`) compute them with `python fid.py stats "
+                             f"{path} OUT.npz`")
     mu, sigma = stats["mu"], stats["sigma"]
     if (mu.ndim != 1 or sigma.shape != (len(mu), len(mu))
             or mu.dtype.kind not in "fiu" or sigma.dtype.kind not in "fiu"):
@@ -671,8 +672,8 @@ class ImageFolder:
         image = self._read(path)
         if image.shape != self.shape:
             raise dit.InputError(f"{path} is {image.shape[1]}x{image.shape[0]} but {self.paths[0]} "
-                             f"is {self.shape[1]}x{self.shape[0]}: FID needs images of one size; "
-                             f"resize or crop them")
+                                 f"is {self.shape[1]}x{self.shape[0]}: FID needs images of one "
+                                 f"size; resize or crop them")
         return image
 
     def __len__(self):
@@ -694,7 +695,7 @@ def load_images(source):
         raise FileNotFoundError(f"{source}: no such folder or file")
     if not source.endswith(".npz"):
         raise dit.InputError(f"{source}: expected a folder of images or an .npz with the images in "
-                         f"`arr_0`")
+                             f"`arr_0`")
     images = dit.read_npz(source, ["arr_0"]).get("arr_0")
     if images is None:
         raise dit.InputError(
@@ -807,7 +808,7 @@ def main(argv=None):
     score.add_argument("source")
     for command in (stats, distance, score):
         command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, "
-                             f"else dit.download)")
+                             f"else download)")
         command.add_argument("--batch-size", type=dit.positive_int, default=128,
                              help="images per device per step")
     bench = commands.add_parser("bench", help="images/s of the feature extractor")
