@@ -2489,45 +2489,58 @@ def kernel(tmp_path):
 TINY = 'DIT_SIZES["T"] = dict(hidden_size=32, depth=2, num_heads=2)'
 
 
-def test_notebook_pasted_both_files(kernel, tmp_path, folder_data, straight_run):
-    """fid.py's text, then dit.py's, pasted into cells: they define and run nothing; main trains as
-    the command line does, bit for bit, and its cell shows a one-line summary; the stop button
-    ends a run with a checkpoint and one line, and the same cell again continues it exactly;
-    sampling shows the grid; a bad option is one line with the kernel alive."""
+def readme_cells():
+    """{number: text} of the Python cells in the README's Notebooks section."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        text = f.read()
+    section = text[text.index("\n## Notebooks"):]
+    section = section[:section.index("\n## ", 1)]
+    return {int(re.match(r"# (\d+)\.", cell)[1]): cell
+            for cell in re.findall(r"```python\n(.*?)```", section, re.S)}
+
+
+def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_run):
+    """The README's notebook cells, with fid.py's and dit.py's text pasted into cells and the
+    test's own settings: training stopped by the stop button ends with a checkpoint and one line;
+    the same cell again continues it, bit for bit as the command line's uninterrupted run; the cell
+    shows a one-line summary, sampling shows the grid, and a bad option is one line with the kernel
+    alive. (The FID cell needs the real Inception weights.)"""
+    cells = readme_cells()
+    assert cells[1].startswith("# 1. Install") and cells[2].startswith("# 2. Paste")
     assert kernel.paste(os.path.join(HERE, "fid.py")) == ("ok", [])
     assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
-    argv = train_args(folder_data, tmp_path / "first", 9, VALIDATION)
-    status, out = kernel.run(f"{TINY}\nmain({argv!r})")
-    assert status == "ok", out
-    assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(tmp_path / 'first'))}', step=9, "
-                        rf"loss=\d\.\d+(e-\d+)?, fid=None, stopped=None\)",
-                        dict(out)["text/plain"]), out
-    for name, value in state_at(straight_run, 9).items():
-        np.testing.assert_array_equal(state_at(tmp_path / "first", 9)[name], value, err_msg=name)
-
-    # The stop button while the batches come slowly (a second each), once a step is logged.
-    run_dir = tmp_path / "stopped"
+    assert set(re.findall(r"^(\w+) =", cells[3], re.M)) == {"DATA", "RUN", "ARGS"}
+    run_dir = tmp_path / "run"
     argv = train_args(folder_data, run_dir, 9, VALIDATION)
-    slow = ("batch = Loader.batch\nLoader.batch = lambda self, step: (time.sleep(1), "
-            "batch(self, step))[1]\n")
-    status, out = kernel.run(f"{slow}main({argv!r})",
+    settings = f"{TINY}\nDATA, RUN, ARGS = {folder_data!r}, {str(run_dir)!r}, {argv!r}"
+    assert kernel.run(settings)[0] == "ok"
+
+    # The stop button while batches come slowly (a second each), once a step is logged.
+    slow = ("batch = Loader.batch\n"
+            "Loader.batch = lambda self, step: (time.sleep(1), batch(self, step))[1]")
+    assert kernel.run(slow)[0] == "ok"
+    status, out = kernel.run(cells[4],
                              interrupt_when=lambda: os.path.exists(run_dir / "metrics.jsonl"))
     assert status == "ok" and not [text for kind, text in out if kind == "error"], out
-    summary = dict(out)["text/plain"]
-    step = int(re.fullmatch(r"Run\(.*, step=(\d), .*, stopped='interrupted'\)", summary)[1])
+    step = int(re.fullmatch(r"Run\(.*, step=(\d), .*, stopped='interrupted'\)",
+                            dict(out)["text/plain"])[1])
     assert 1 <= step < 9
     saved = str(run_dir / "checkpoints" / f"step_{step:07d}.npz")
     assert (f"interrupted at step {step} of 9: saved {saved}; the same command continues from "
             f"there") in "".join(text for kind, text in out if kind == "stdout"), out
-    status, out = kernel.run(f"Loader.batch = batch\nmain({argv!r})")
-    assert status == "ok" and "stopped=None" in dict(out)["text/plain"], out
+
+    # The next session: the same cell continues the run, and ends as the uninterrupted one.
+    assert kernel.run("Loader.batch = batch")[0] == "ok"
+    status, out = kernel.run(cells[4])
+    assert status == "ok", out
+    assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(run_dir))}', step=9, "
+                        rf"loss=\d\.\d+(e-\d+)?, fid=None, stopped=None\)",
+                        dict(out)["text/plain"]), out
     for name, value in state_at(straight_run, 9).items():
         np.testing.assert_array_equal(state_at(run_dir, 9)[name], value, err_msg=name)
-
-    ckpt = dit.list_checkpoints(tmp_path / "first")[-1]
-    status, out = kernel.run(f"main(['sample', '--ckpt', {ckpt!r}, '--n', '4', '--steps', '2', "
-                             f"'--out', {str(tmp_path / 'grid.png')!r}])")
+    status, out = kernel.run(cells[5])
     assert status == "ok" and "image/png" in dict(out), out
+
     status, out = kernel.run("main(['--size', 'Q'])")
     assert status == "error"
     errors = [text for kind, text in out if kind == "error"]
