@@ -15,7 +15,7 @@ Part II opens with what the model adds to the paper, then the harness that feeds
       3. The DiT model                    patchify, adaLN-Zero blocks, the linear decoder, guidance
       4. DDPM                             the paper's objective and samplers, as the official code
       5. Rectified flow                   straight paths from data to noise, Euler and Heun
-      6. The training step                objective, optimizer, EMA: one jit-able function
+      6. The training step                AdamW, EMA: one jit-able step of the objective
       7. Sampling                         noise and labels in, samples out
     Part II: the harness
          DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
@@ -154,7 +154,8 @@ zeros = nnx.initializers.zeros_init()
 
 def timestep_embedding(t, dim, max_period=10000):
     """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
-    code (cosines first, then sines; frequencies from 1 down to 1/max_period)."""
+    code (cosines first, then sines; frequencies falling geometrically from 1 towards
+    1/max_period)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
@@ -196,9 +197,9 @@ class TimestepEmbedder(nnx.Module):
 
 
 class LabelEmbedder(nnx.Module):
-    """Embeds class labels into vectors. One extra row, the null label `num_classes`, stands for
-    "no class": labels are dropped to it at random during training, which classifier-free guidance
-    needs."""
+    """Embeds class labels into vectors. With dropout_prob > 0, one extra row, the null label
+    `num_classes`, stands for "no class": labels are dropped to it at random during training, which
+    classifier-free guidance needs."""
 
     def __init__(self, num_classes, hidden_size, dropout_prob, *, rngs):
         self.num_classes, self.dropout_prob = num_classes, dropout_prob
@@ -406,8 +407,6 @@ def count_params(model):
     """Number of learnable parameters. (The official count also includes the fixed position table,
     which PyTorch stores as a frozen parameter: add T * D to compare.)"""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
 
 #################################################################################
 #                                    4. DDPM                                    #
@@ -856,8 +855,9 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 
 @jax.checkpoint  # recomputed in the backward pass, as layer_norm
 def rms_norm(x, eps=1e-6):
-    """RMSNorm (Zhang & Sennrich 2019), rms_norm's replacement for layer_norm: no mean is
-    subtracted, so the tokens keep their offset; no affine parameters, float32, as layer_norm."""
+    """RMSNorm (Zhang & Sennrich 2019), which the rms_norm switch puts in place of layer_norm: no
+    mean is subtracted, so the tokens keep their offset; no affine parameters, float32, as
+    layer_norm."""
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -868,7 +868,7 @@ def rope_tables(head_dim, grid):
 
     Channel i of a head is rotated together with channel i + head_dim/2 by an angle: in the first
     half of the pairs the patch's row times a frequency, in the second half its column; the
-    frequencies fall from 1 to 1/10000 over each half."""
+    frequencies fall geometrically from 1 towards 1/10000 over each half."""
     freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
     rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
     angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
@@ -964,7 +964,7 @@ class DiTPlusFinalLayer(FinalLayer):
 # the activations of the forward pass; kept, layer_norm's float32 intermediates would take twice the
 # memory of the tokens themselves in every block, gelu's five more (B, T, 4D) tensors, DiT+'s
 # normalisation and rotation of queries and keys four more (B, T, D). Each is recomputed from its
-# input instead (their @jax.checkpoint).
+# input instead: by @jax.checkpoint on the function, by checkpoint_call for DiT+'s queries and keys.
 
 # What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
 # the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
@@ -2432,8 +2432,8 @@ def default_precision(device=None):
     return "bf16"
 
 
-# What the training loop adds to the core's training step (6): loss scaling for float16, and the
-# loss by noise level.
+# What the training loop adds to the core's training step (section 6): loss scaling for float16, and
+# the loss by noise level.
 
 def scaled_grad(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux. A float16
