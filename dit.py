@@ -904,7 +904,7 @@ class DiTPlusAttention(Attention):
     def queries_and_keys(self, q, k):  # q, k (B, T, H, D/H)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_grid:
+        if self.rope_grid is not None:
             rope = tuple(jnp.asarray(a) for a in rope_tables(q.shape[-1], self.rope_grid))
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k
@@ -938,8 +938,8 @@ class DiTPlusBlock(DiTBlock):
         D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
         self.norm = rms_norm if cfg.rms_norm else layer_norm
         if cfg.qk_norm or cfg.rope:
-            self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm, cfg.rope and cfg.grid,
-                                         dtype=dtype, rngs=rngs)
+            self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm,
+                                         cfg.grid if cfg.rope else None, dtype=dtype, rngs=rngs)
         else:
             self.attn = Attention(D, cfg.num_heads, dtype=dtype, rngs=rngs)
         if cfg.swiglu:
