@@ -5,8 +5,9 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 (arXiv:2212.09748). Official PyTorch code: github.com/facebookresearch/DiT. On the same weights and
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
-The file is a book in two parts. Part I is DiT itself, pure functions and modules with no file input
-or output; a reader can stop at its end. Part II is the harness that feeds and drives it.
+The file is a book in two parts. Part I is DiT itself: the paper's model, its objectives and their
+samplers, pure functions and modules with no file input or output; a reader can stop at its end.
+Part II opens with what the model adds to the paper, then the harness that feeds and drives it.
 
     Part I: the core
       1. Configuration                    the model sizes of the paper
@@ -14,9 +15,11 @@ or output; a reader can stop at its end. Part II is the harness that feeds and d
       3. The DiT model                    patchify, adaLN-Zero blocks, the linear decoder, guidance
       4. DDPM                             the paper's objective and samplers, as the official code
       5. Rectified flow                   straight paths from data to noise, Euler and Heun
-      6. The training step                objective, optimizer, EMA: one jit-able function
+      6. The training step                AdamW, EMA: one jit-able step of the objective
       7. Sampling                         noise and labels in, samples out
     Part II: the harness
+         DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
+         Memory and speed                 recomputation, fused attention, float32 matrix products
       8. Weight files                     official PyTorch checkpoints, safetensors
       9. The autoencoder                  the Stable Diffusion VAE that maps images to latents
      10. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
@@ -114,11 +117,12 @@ class DiTConfig:
     class_dropout_prob: float = 0.1  # > 0 adds the null label that classifier-free guidance needs
     num_classes: int = 1000          # 0 trains an unconditional model
     learn_sigma: bool = True         # DDPM with learned variance doubles the output channels
-    # Changes that later work found to help at DiT's scale, each on its own switch; all off is the
-    # paper's DiT, and ARCHS names the set that the README's ablation kept.
+    # DiT+: changes that later work found to help at DiT's scale, each on its own switch (built at
+    # the start of Part II); all off is the paper's DiT, and ARCHS names the set that the README's
+    # ablation kept.
     qk_norm: bool = False            # RMSNorm on each head's queries and keys
     rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
-    swiglu: bool = False             # a SwiGLU feed-forward layer of the same parameter count
+    swiglu: bool = False             # a SwiGLU feed-forward layer with as many weights
     rope: bool = False               # 2-D rotary position embeddings, beside the sin-cos table
 
     @property
@@ -132,6 +136,11 @@ class DiTConfig:
     @property
     def out_channels(self):
         return 2 * self.in_channels if self.learn_sigma else self.in_channels
+
+    @property
+    def plus(self):
+        """Whether a DiT+ switch is on."""
+        return self.qk_norm or self.rms_norm or self.swiglu or self.rope
 
 
 # The named architectures: the paper's DiT, and DiT+ with the changes that the README's ablation
@@ -162,7 +171,8 @@ zeros = nnx.initializers.zeros_init()
 
 def timestep_embedding(t, dim, max_period=10000):
     """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
-    code (cosines first, then sines; frequencies from 1 down to 1/max_period)."""
+    code (cosines first, then sines; frequencies falling geometrically from 1 towards
+    1/max_period)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
@@ -204,9 +214,9 @@ class TimestepEmbedder(nnx.Module):
 
 
 class LabelEmbedder(nnx.Module):
-    """Embeds class labels into vectors. One extra row, the null label `num_classes`, stands for
-    "no class": labels are dropped to it at random during training, which classifier-free guidance
-    needs."""
+    """Embeds class labels into vectors. With dropout_prob > 0, one extra row, the null label
+    `num_classes`, stands for "no class": labels are dropped to it at random during training, which
+    classifier-free guidance needs."""
 
     def __init__(self, num_classes, hidden_size, dropout_prob, *, rngs):
         self.num_classes, self.dropout_prob = num_classes, dropout_prob
@@ -222,33 +232,36 @@ class LabelEmbedder(nnx.Module):
 #################################################################################
 #                                3. The DiT model                               #
 #################################################################################
+# The paper's model, as Fig. 3 draws it. Part II opens with the switches of DiT+, which replace some
+# of its parts, and with what makes it fast and fit in memory without changing its numbers.
 
 def modulate(x, shift, scale):
     """adaLN: scale and shift the normalised tokens x (B, T, D) per sample with (B, D) vectors."""
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-@jax.checkpoint
+@jax.checkpoint  # recomputed in the backward pass: see "Memory and speed" (Part II)
 def layer_norm(x, eps=1e-6):
     """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
-
     Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much
-    precision. jax.checkpoint recomputes it in the backward pass from x: kept, its float32
-    intermediates would take twice the memory of the tokens themselves, in every block.
-    """
+    precision."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
-@jax.checkpoint
-def rms_norm(x, eps=1e-6):
-    """RMSNorm (Zhang & Sennrich 2019), the rms_norm alternative to layer_norm: no mean is
-    subtracted, so the tokens keep their offset; no affine parameters, float32, recomputed, as
-    layer_norm."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+@jax.checkpoint  # recomputed in the backward pass, as layer_norm
+def gelu(x):
+    """The tanh-approximated GELU of the official Mlp."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def adaln_zero(dim, n, *, dtype, rngs):
+    """SiLU and a zero-initialised linear map from the conditioning c (B, D) to n vectors (B, n*D)
+    of shifts, scales and gates: adaLN-Zero."""
+    return nnx.Sequential(nnx.silu, nnx.Linear(dim, n * dim, kernel_init=zeros, dtype=dtype,
+                                               rngs=rngs))
 
 
 class PatchEmbed(nnx.Module):
@@ -268,91 +281,23 @@ class PatchEmbed(nnx.Module):
         return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def rope_tables(head_dim, grid):
-    """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021, in 2-D as
-    EVA-02 and LightningDiT use them) for a grid x grid layout of patches, row-major.
-
-    Channel i of a head is rotated together with channel i + head_dim/2 by an angle: in the first
-    half of the pairs the patch's row times a frequency, in the second half its column; the
-    frequencies fall from 1 to 1/10000 over each half."""
-    freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
-    rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
-    angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
-    angles = np.concatenate([angles, angles], axis=1)                     # (T, head_dim)
-    return np.cos(angles), np.sin(angles)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by the angles of
-    rope_tables: then q . k depends on the two patches' positions only through their offset."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos[:, None].astype(x.dtype) + rotated * sin[:, None].astype(x.dtype)
-
-
-def checkpoint_call(method, module, *args, policy=None):
-    """method(module, *args), recomputed in the backward pass as jax.checkpoint's `policy` says
-    (None: everything). The module is split into its structure and its arrays, so that the call is
-    a pure function of arrays: nnx.remat's updates of the module fail under jax.lax.scan, where
-    the samplers call the model."""
-    graphdef, state = nnx.split(module)
-    pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
-    return jax.checkpoint(pure, policy=policy)(state, *args)
-
-
-def attention_implementation(dtype, head_dim, device=None):
-    """"cudnn" where cuDNN's fused flash attention runs: NVIDIA GPUs from Ampere on (compute
-    capability 8.0), 16-bit floats, head sizes that are multiples of 8 up to 128. It never builds
-    the (B, H, T, T) attention weights in memory. "xla" elsewhere (CPUs, TPUs, older GPUs, float32),
-    XLA's own attention, which the exactness tests check."""
-    device = device or jax.devices()[0]
-    capability = float(getattr(device, "compute_capability", 0) or 0)
-    if (device.platform == "gpu" and capability >= 8.0 and dtype in (jnp.bfloat16, jnp.float16)
-            and head_dim % 8 == 0 and head_dim <= 128):
-        return "cudnn"
-    return "xla"
-
-
 class Attention(nnx.Module):
-    """Multi-head self-attention with a fused qkv projection (timm's Attention, which DiT uses).
-    With qk_norm, each head's queries and keys are RMS-normalised with a learned scale before they
-    meet, which bounds the attention logits (SD3, Esser et al. 2024)."""
+    """Multi-head self-attention with a fused qkv projection (timm's Attention, which DiT uses)."""
 
-    def __init__(self, dim, num_heads, qk_norm=False, *, dtype, rngs):
+    def __init__(self, dim, num_heads, *, dtype, rngs):
         self.num_heads = num_heads
         self.qkv = nnx.Linear(dim, 3 * dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
         self.proj = nnx.Linear(dim, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
-        if qk_norm:
-            self.q_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
-            self.k_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, rope=None):  # x (B, T, D); rope: rope_tables' (cos, sin) or None
+    def __call__(self, x):  # (B, T, D) -> (B, T, D)
         B, T, D = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
         q, k, v = qkv.transpose(2, 0, 1, 3, 4)  # each (B, T, H, D/H)
-        if hasattr(self, "q_norm") or rope is not None:
-            # recomputed in the backward pass, like layer_norm: kept, the float32 normalisation and
-            # the rotation would keep four more (B, T, D) tensors
-            q, k = checkpoint_call(Attention.queries_and_keys, self, q, k, rope)
-        # softmax(q k^T / sqrt(D/H)) v, (B, T, H, D/H)
-        out = jax.nn.dot_product_attention(
-            q, k, v, implementation=attention_implementation(q.dtype, D // self.num_heads))
-        return self.proj(out.reshape(B, T, D))
+        return self.proj(self.attend(q, k, v).reshape(B, T, D))
 
-    def queries_and_keys(self, q, k, rope):  # q, k (B, T, H, D/H)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k
-
-
-@jax.checkpoint
-def gelu(x):
-    """The tanh-approximated GELU of the official Mlp, recomputed in the backward pass from its
-    input: kept, its intermediates would be the largest activations of a block (five more (B, T, 4D)
-    tensors)."""
-    return jax.nn.gelu(x, approximate=True)
+    def attend(self, q, k, v):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
+        return jax.nn.dot_product_attention(
+            q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
 
 
 class Mlp(nnx.Module):
@@ -366,26 +311,6 @@ class Mlp(nnx.Module):
         return self.fc2(gelu(self.fc1(x)))
 
 
-@jax.checkpoint
-def swish_gate(a, b):
-    """silu(a) * b, recomputed in the backward pass, like gelu."""
-    return jax.nn.silu(a) * b
-
-
-class SwiGLU(nnx.Module):
-    """The swiglu feed-forward layer (Shazeer 2020, "GLU variants improve Transformer"):
-    w3(silu(x w1) * (x w2)), with w1 and w2 fused into w12. Three matrices instead of two: at 2/3
-    of the GELU MLP's width it has the same parameter count."""
-
-    def __init__(self, dim, hidden, *, dtype, rngs):
-        self.w12 = nnx.Linear(dim, 2 * hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
-        self.w3 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):  # (B, T, D) -> (B, T, D)
-        a, b = jnp.split(self.w12(x), 2, axis=-1)
-        return self.w3(swish_gate(a, b))
-
-
 class DiTBlock(nnx.Module):
     """A DiT block with adaLN-Zero conditioning (Sec. 3.2, Fig. 3).
 
@@ -396,22 +321,16 @@ class DiTBlock(nnx.Module):
     """
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
-        D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
-        self.norm = rms_norm if cfg.rms_norm else layer_norm
-        self.attn = Attention(D, cfg.num_heads, cfg.qk_norm, dtype=dtype, rngs=rngs)
-        if cfg.swiglu:
-            self.mlp = SwiGLU(D, 2 * hidden // 3, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = Mlp(D, hidden, dtype=dtype, rngs=rngs)
-        self.adaLN_modulation = nnx.Sequential(
-            nnx.silu,
-            nnx.Linear(D, 6 * D, kernel_init=zeros, dtype=dtype, rngs=rngs),
-        )
+        D = cfg.hidden_size
+        self.norm = layer_norm
+        self.attn = Attention(D, cfg.num_heads, dtype=dtype, rngs=rngs)
+        self.mlp = Mlp(D, int(D * cfg.mlp_ratio), dtype=dtype, rngs=rngs)
+        self.adaLN_modulation = adaln_zero(D, 6, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, c, rope=None):  # x (B, T, D), c (B, D)
+    def __call__(self, x, c):  # x (B, T, D), c (B, D)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
             self.adaLN_modulation(c), 6, axis=-1)
-        x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa), rope)
+        x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa))
         x = x + gate_mlp[:, None] * self.mlp(modulate(self.norm(x), shift_mlp, scale_mlp))
         return x
 
@@ -421,39 +340,20 @@ class FinalLayer(nnx.Module):
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         D, p = cfg.hidden_size, cfg.patch_size
-        self.norm = rms_norm if cfg.rms_norm else layer_norm
+        self.norm = layer_norm
         self.linear = nnx.Linear(D, p * p * cfg.out_channels, kernel_init=zeros, dtype=dtype,
                                  rngs=rngs)
-        self.adaLN_modulation = nnx.Sequential(
-            nnx.silu,
-            nnx.Linear(D, 2 * D, kernel_init=zeros, dtype=dtype, rngs=rngs),
-        )
+        self.adaLN_modulation = adaln_zero(D, 2, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, c):  # x (B, T, D), c (B, D) -> (B, T, p*p*C_out)
         shift, scale = jnp.split(self.adaLN_modulation(c), 2, axis=-1)
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
-# What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
-# the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
-# norms, modulations, activations and attention from them: little extra compute for half the memory
-# of keeping everything (10 numbers per token and hidden unit instead of 20). "full" keeps only each
-# block's input and recomputes the whole block: a third more compute, for models that fit no other
-# way.
-REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
-
-
-def matmul_precision(dtype):
-    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
-    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes."""
-    if dtype == jnp.float32:
-        return jax.default_matmul_precision("highest")
-    return contextlib.nullcontext()
-
-
 class DiT(nnx.Module):
     """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
-    (B,) in, the predicted noise (and variance values, when learn_sigma) out, (B, H, W, C_out).
+    (B,) in, the objective's target out, (B, H, W, C_out): the velocity under rectified flow, the
+    noise (and the variance values, when learn_sigma) under DDPM.
 
     `dtype` is the compute dtype (bfloat16 or float16 for mixed precision); parameters stay
     float32. `remat`, a key of REMAT_POLICIES or None, recomputes activations in the backward pass
@@ -467,8 +367,10 @@ class DiT(nnx.Module):
         self.t_embedder = TimestepEmbedder(D, dtype=dtype, rngs=rngs)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob, rngs=rngs)
-        self.blocks = nnx.List([DiTBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
-        self.final_layer = FinalLayer(cfg, dtype=dtype, rngs=rngs)
+        # the paper's block and final layer, or DiT+'s (Part II) when one of its switches is on
+        Block, Final = (DiTPlusBlock, DiTPlusFinalLayer) if cfg.plus else (DiTBlock, FinalLayer)
+        self.blocks = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
+        self.final_layer = Final(cfg, dtype=dtype, rngs=rngs)
 
     def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C)
         g, p = self.cfg.grid, self.cfg.patch_size
@@ -485,16 +387,8 @@ class DiT(nnx.Module):
             c = self.t_embedder(t)                                   # (B, D)
             if cfg.num_classes:
                 c = c + self.y_embedder(y, drop_key)
-            rope = None
-            if cfg.rope:
-                rope = tuple(jnp.asarray(a) for a in rope_tables(cfg.hidden_size // cfg.num_heads,
-                                                                  cfg.grid))
-            for block in self.blocks:
-                if self.remat:
-                    x = checkpoint_call(DiTBlock.__call__, block, x, c, rope,
-                                        policy=REMAT_POLICIES[self.remat])
-                else:
-                    x = block(x, c, rope)
+            for block in self.blocks:  # block(x, c), recomputed in the backward pass under remat
+                x = checkpoint_call(DiTBlock.__call__, block, x, c, remat=self.remat)
             x = self.final_layer(x, c)                               # (B, T, p*p*C_out)
         return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
 
@@ -868,16 +762,6 @@ class RectifiedFlow:
 #                              6. The training step                             #
 #################################################################################
 
-def make_objective(name, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
-    """The objective called `name`: "rf", rectified flow with the given timestep distribution, or
-    "ddpm", DiT's DDPM with learned variance, which reproduces the paper exactly."""
-    if name == "ddpm":
-        return GaussianDiffusion()
-    if name == "rf":
-        return RectifiedFlow(timestep_sampling, loc, scale)
-    raise ValueError(f"unknown objective {name!r}; use 'rf' or 'ddpm'")
-
-
 def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
     """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4, betas 0.9
     and 0.999); optional linear warm-up and clipping of the global gradient norm. Returns
@@ -893,30 +777,13 @@ def new_train_state(model, tx):
     """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
     DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
     array by its path (params.blocks.0.attn.qkv.kernel, ...). A float16 model adds the state of its
-    loss scaling: float16's smallest normal number is 6e-5, and the small gradients of training
-    would round to zero unless the loss is scaled up first."""
+    loss scaling (scaled_grad, section 12)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     state = {"step": jnp.zeros((), jnp.int32), "params": params,
              "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
     if model.dtype == jnp.float16:
         state |= {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
     return state
-
-
-def update_loss_scale(state, new_state, finite, period=2000):
-    """Dynamic loss scaling (Micikevicius et al. 2018): a step whose gradients overflowed is
-    skipped and the scale halved; after `period` good steps in a row the scale doubles. The step
-    count goes on either way, so that the data and random numbers stay those of step s."""
-    keep = {**jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state),
-            "step": new_state["step"]}
-    good = jnp.where(finite, state["good_steps"] + 1, 0)
-    scale = jnp.where(finite, jnp.where(good == period, 2.0, 1.0), 0.5) * state["loss_scale"]
-    return keep | {"loss_scale": scale, "good_steps": good % period}
-
-
-# The training loss is also logged by noise level, the time t in [0, 1) of either objective, in this
-# many equal ranges: where the model is weak.
-LOSS_BINS = 4
 
 
 def make_train_step(graphdef, objective, tx, ema_decay, seed):
@@ -928,53 +795,25 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
     def train_step(state, x, y):  # x (B, H, W, C), y (B,)
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
         key_objective, key_drop = jax.random.split(key)
-        scale = state.get("loss_scale", 1.0)
 
         def loss_fn(params):
             model = nnx.merge(graphdef, params)
             model_fn = lambda xt, t: model(xt, t, y, drop_key=key_drop)  # noqa: E731
             losses = objective.training_losses(model_fn, x, key_objective)
-            return losses["loss"].mean() * scale, losses
+            return losses["loss"].mean(), losses
 
-        (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        grads = jax.tree.map(lambda g: g / scale, grads)
+        grads, losses = scaled_grad(loss_fn, state)  # float16 scales the loss: see section 12
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # DiT keeps an exponential moving average of the weights and samples from it.
         ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
         new_state = {**state, "step": state["step"] + 1, "params": params, "ema": ema,
                      "opt_state": opt_state}
-        grad_norm = optax.tree.norm(grads)
-        bins = jnp.minimum((losses["time"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
-        metrics = {"loss": losses["loss"].mean(), "grad_norm": grad_norm,
-                   "loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
-                   "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
-        if "loss_scale" in state:
-            new_state = update_loss_scale(state, new_state, jnp.isfinite(grad_norm))
-            metrics |= {"loss_scale": state["loss_scale"], "skipped": ~jnp.isfinite(grad_norm)}
-        return new_state, metrics
+        metrics = {"loss": losses["loss"].mean(), "grad_norm": optax.tree.norm(grads),
+                   **loss_by_time(losses)}
+        return skip_overflow(state, new_state, metrics)  # float16 skips a step that overflowed
 
     return train_step
-
-
-# The times (fractions of the way from data to noise) at which the validation loss is measured: the
-# centres of the LOSS_BINS ranges.
-VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
-
-
-def validation_losses(model, objective, x0, y, key):
-    """Per-sample losses (len(VAL_TIMES), B) of held-out x0 (B, H, W, C) with labels y at each of
-    VAL_TIMES, with noise from `key`: the same numbers at every evaluation of the same weights, so
-    that evaluations, runs and architectures compare."""
-    losses = []
-    for i, time in enumerate(VAL_TIMES):
-        noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
-        if isinstance(objective, GaussianDiffusion):
-            t = jnp.full(len(x0), int(time * objective.num_timesteps))
-        else:
-            t = jnp.full(len(x0), time)
-        losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t, noise)["loss"])
-    return jnp.stack(losses)
 
 
 #################################################################################
@@ -1019,9 +858,176 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                              PART II: THE HARNESS                             #
 #                                                                               #
 #################################################################################
-# Everything that connects the core to the world: weight files, the autoencoder, datasets,
-# checkpoints, the training loop over devices and hosts, evaluation, the benchmark, the command
-# line.
+# First what the model adds to the paper: the switches of DiT+, and what makes it fast and fit in
+# memory. Then everything that connects the core to the world: weight files, the autoencoder,
+# datasets, checkpoints, the training loop over devices and hosts, evaluation, the benchmark, the
+# command line.
+
+#################################################################################
+#                      DiT+: the switches beyond the paper                      #
+#################################################################################
+# The switches of DiTConfig (ARCHS), each a change that later work found to help at DiT's scale.
+# The DiT builds the block and final layer below when any of them is on; all off is the paper's
+# model of section 3.
+
+@jax.checkpoint  # recomputed in the backward pass, as layer_norm
+def rms_norm(x, eps=1e-6):
+    """RMSNorm (Zhang & Sennrich 2019), which the rms_norm switch puts in place of layer_norm: no
+    mean is subtracted, so the tokens keep their offset; no affine parameters, float32, as
+    layer_norm."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def rope_tables(head_dim, grid):
+    """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021, in 2-D as
+    EVA-02 and LightningDiT use them) for a grid x grid layout of patches, row-major.
+
+    Channel i of a head is rotated together with channel i + head_dim/2 by an angle: in the first
+    half of the pairs the patch's row times a frequency, in the second half its column; the
+    frequencies fall geometrically from 1 towards 1/10000 over each half."""
+    freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
+    rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
+    angles = np.concatenate([angles, angles], axis=1)                     # (T, head_dim)
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by the angles of
+    rope_tables: then q . k depends on the two patches' positions only through their offset."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[:, None].astype(x.dtype) + rotated * sin[:, None].astype(x.dtype)
+
+
+class DiTPlusAttention(Attention):
+    """Attention whose queries and keys are changed before they meet. qk_norm: each head's are
+    RMS-normalised with a learned scale, which bounds the attention logits (SD3, Esser et al.
+    2024). rope_grid (the grid, or None): they are rotated by their patch's position (RoPE)."""
+
+    def __init__(self, dim, num_heads, qk_norm, rope_grid, *, dtype, rngs):
+        super().__init__(dim, num_heads, dtype=dtype, rngs=rngs)
+        self.qk_norm, self.rope_grid = qk_norm, rope_grid
+        if qk_norm:
+            self.q_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
+
+    def attend(self, q, k, v):
+        # recomputed in the backward pass, as layer_norm
+        q, k = checkpoint_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
+        return super().attend(q, k, v)
+
+    def queries_and_keys(self, q, k):  # q, k (B, T, H, D/H)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_grid is not None:
+            rope = tuple(jnp.asarray(a) for a in rope_tables(q.shape[-1], self.rope_grid))
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k
+
+
+@jax.checkpoint  # recomputed in the backward pass, as gelu
+def swish_gate(a, b):
+    return jax.nn.silu(a) * b
+
+
+class SwiGLU(nnx.Module):
+    """The swiglu feed-forward layer (Shazeer 2020, "GLU variants improve Transformer"):
+    w3(silu(x w1) * (x w2)), with w1 and w2 fused into w12. Its three matrices at 2/3 of the GELU
+    MLP's width hold as many weights as the MLP's two; its biases add a third of the MLP's width
+    per block (512 on DiT-S)."""
+
+    def __init__(self, dim, hidden, *, dtype, rngs):
+        self.w12 = nnx.Linear(dim, 2 * hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
+        self.w3 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):  # (B, T, D) -> (B, T, D)
+        a, b = jnp.split(self.w12(x), 2, axis=-1)
+        return self.w3(swish_gate(a, b))
+
+
+class DiTPlusBlock(DiTBlock):
+    """The DiT block with the parts that cfg's switches replace; adaLN-Zero and the forward pass
+    are the paper's."""
+
+    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
+        D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
+        self.norm = rms_norm if cfg.rms_norm else layer_norm
+        if cfg.qk_norm or cfg.rope:
+            self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm,
+                                         cfg.grid if cfg.rope else None, dtype=dtype, rngs=rngs)
+        else:
+            self.attn = Attention(D, cfg.num_heads, dtype=dtype, rngs=rngs)
+        if cfg.swiglu:
+            self.mlp = SwiGLU(D, 2 * hidden // 3, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = Mlp(D, hidden, dtype=dtype, rngs=rngs)
+        self.adaLN_modulation = adaln_zero(D, 6, dtype=dtype, rngs=rngs)
+
+
+class DiTPlusFinalLayer(FinalLayer):
+    """The final layer, with RMSNorm instead of LayerNorm under rms_norm."""
+
+    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        self.norm = rms_norm if cfg.rms_norm else layer_norm
+
+
+#################################################################################
+#                                Memory and speed                               #
+#################################################################################
+# Nothing here changes what the model computes (test_dit.py checks each). The backward pass needs
+# the activations of the forward pass; kept, layer_norm's float32 intermediates would take twice the
+# memory of the tokens themselves in every block, gelu's five more (B, T, 4D) tensors, DiT+'s
+# normalisation and rotation of queries and keys four more (B, T, D). Each is recomputed from its
+# input instead: by @jax.checkpoint on the function, by checkpoint_call for DiT+'s queries and keys.
+
+# What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
+# the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
+# norms, modulations, activations and attention from them: little extra compute for half the memory
+# of keeping everything (10 numbers per token and hidden unit instead of 20). "full" keeps only each
+# block's input and recomputes the whole block: a third more compute, for models that fit no other
+# way.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
+
+
+def checkpoint_call(method, module, *args, remat):
+    """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (remat
+    None: kept). The module is split into its structure and its arrays, so that the call is a pure
+    function of arrays: nnx.remat's updates of the module fail under jax.lax.scan, where the
+    samplers call the model."""
+    if remat is None:
+        return method(module, *args)
+    graphdef, state = nnx.split(module)
+    pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
+    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
+
+
+def compute_capability(device):
+    """An NVIDIA GPU's compute capability as a number (8.0 for Ampere); 0 for other devices."""
+    return float(getattr(device, "compute_capability", 0) or 0)
+
+
+def attention_implementation(dtype, head_dim, device=None):
+    """"cudnn" where cuDNN's fused flash attention runs: NVIDIA GPUs from Ampere on (compute
+    capability 8.0), 16-bit floats, head sizes that are multiples of 8 up to 128. It never builds
+    the (B, H, T, T) attention weights in memory. "xla" elsewhere (CPUs, TPUs, older GPUs, float32),
+    XLA's own attention, which the exactness tests check."""
+    device = device or jax.devices()[0]
+    if (device.platform == "gpu" and compute_capability(device) >= 8.0
+            and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return "xla"
+
+
+def matmul_precision(dtype):
+    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
+    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes."""
+    if dtype == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
 
 #################################################################################
 #                                 8. Weight files                               #
@@ -2341,9 +2347,60 @@ def default_precision(device=None):
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return "fp32"
-    if device.platform == "gpu" and float(getattr(device, "compute_capability", 0) or 0) < 8.0:
+    if device.platform == "gpu" and compute_capability(device) < 8.0:
         return "fp16"
     return "bf16"
+
+
+# What the training loop adds to the core's training step (section 6): loss scaling for float16, and
+# the loss by noise level.
+
+def scaled_grad(loss_fn, state):
+    """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux. A float16
+    state's loss is multiplied by its loss scale before the backward pass, and the gradients
+    divided by it after: float16's smallest normal number is 6e-5, and the small gradients of
+    training would round to zero unless the loss is scaled up first."""
+    scale = state.get("loss_scale", 1.0)
+
+    def scaled(params):
+        loss, aux = loss_fn(params)
+        return loss * scale, aux
+
+    (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(state["params"])
+    return jax.tree.map(lambda g: g / scale, grads), aux
+
+
+def update_loss_scale(state, new_state, finite, period=2000):
+    """Dynamic loss scaling (Micikevicius et al. 2018): a step whose gradients overflowed is
+    skipped and the scale halved; after `period` good steps in a row the scale doubles. The step
+    count goes on either way, so that the data and random numbers stay those of step s."""
+    keep = {**jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state),
+            "step": new_state["step"]}
+    good = jnp.where(finite, state["good_steps"] + 1, 0)
+    scale = jnp.where(finite, jnp.where(good == period, 2.0, 1.0), 0.5) * state["loss_scale"]
+    return keep | {"loss_scale": scale, "good_steps": good % period}
+
+
+def skip_overflow(state, new_state, metrics):
+    """(new_state, metrics) of a step; for a float16 state, after update_loss_scale, with the scale
+    and whether the step was skipped in the metrics."""
+    if "loss_scale" not in state:
+        return new_state, metrics
+    finite = jnp.isfinite(metrics["grad_norm"])
+    return (update_loss_scale(state, new_state, finite),
+            metrics | {"loss_scale": state["loss_scale"], "skipped": ~finite})
+
+
+# The training loss is also logged by noise level, the time t in [0, 1) of either objective, in this
+# many equal ranges: where the model is weak.
+LOSS_BINS = 4
+
+
+def loss_by_time(losses):
+    """The per-sample losses summed, and counted, in each of the LOSS_BINS ranges of their time."""
+    bins = jnp.minimum((losses["time"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
+    return {"loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
+            "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
 
 
 def architecture(args):
@@ -2351,6 +2408,16 @@ def architecture(args):
     own option when given (--no-rope, --swiglu, ...), for ablations."""
     return {k: on if getattr(args, k) is None else getattr(args, k)
             for k, on in ARCHS[args.arch].items()}
+
+
+def make_objective(name, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
+    """The objective called `name`: "rf", rectified flow with the given timestep distribution, or
+    "ddpm", DiT's DDPM with learned variance, which reproduces the paper exactly."""
+    if name == "ddpm":
+        return GaussianDiffusion()
+    if name == "rf":
+        return RectifiedFlow(timestep_sampling, loc, scale)
+    raise ValueError(f"unknown objective {name!r}; use 'rf' or 'ddpm'")
 
 
 def make_mesh():
@@ -2955,6 +3022,26 @@ def evaluate_samples(images, ref, inception):
     share and fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
     return fid_module().evaluate(share, ref_stats=ref, inception=inception)
+
+
+# The times (fractions of the way from data to noise) at which the validation loss is measured: the
+# centres of the LOSS_BINS ranges.
+VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
+
+
+def validation_losses(model, objective, x0, y, key):
+    """Per-sample losses (len(VAL_TIMES), B) of held-out x0 (B, H, W, C) with labels y at each of
+    VAL_TIMES, with noise from `key`: the same numbers at every evaluation of the same weights, so
+    that evaluations, runs and architectures compare."""
+    losses = []
+    for i, frac in enumerate(VAL_TIMES):
+        noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
+        if isinstance(objective, GaussianDiffusion):
+            t = jnp.full(len(x0), int(frac * objective.num_timesteps))
+        else:
+            t = jnp.full(len(x0), frac)
+        losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t, noise)["loss"])
+    return jnp.stack(losses)
 
 
 class Evaluator:

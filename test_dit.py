@@ -405,7 +405,8 @@ def test_rope_depends_on_relative_positions_only():
 
 
 def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
-    attn = dit.Attention(32, 4, qk_norm=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    attn = dit.DiTPlusAttention(32, 4, qk_norm=True, rope_grid=None, dtype=jnp.float32,
+                                rngs=nnx.Rngs(0))
     plain = dit.Attention(32, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 6, 32))
     for layer, invariant in [(attn, True), (plain, False)]:
