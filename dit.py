@@ -5,9 +5,10 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 (arXiv:2212.09748). Official PyTorch code: github.com/facebookresearch/DiT. On the same weights and
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
-The file is a book in two parts. Part I is DiT itself: the paper's model, its objectives and their
+The file is a book in three parts. Part I is DiT itself: the paper's model, its objectives and their
 samplers, pure functions and modules with no file input or output; a reader can stop at its end.
 Part II opens with what the model adds to the paper, then the harness that feeds and drives it.
+Part III reads the files that come from outside, checking every claim they make.
 
     Part I: the core
       1. Configuration                    the model sizes of the paper
@@ -28,8 +29,14 @@ Part II opens with what the model adds to the paper, then the harness that feeds
      13. Sampling and evaluation          grids, FID samples, weights from any file
      14. Benchmark                        images/s, MFU and memory
      15. Command line                     python dit.py [train|sample|export|bench]
+    Part III: files from outside
+     16. Errors the user can fix          one line, `error: ...`, on the command line and in notebooks
+     17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
+     18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
+     19. JSON and downloads               checked JSON, verified downloads
 
-Run `python dit.py --help`, or from a notebook `import dit; dit.main(["--size", "S", ...])`.
+Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and call
+main(["--size", "S", ...]) with the same arguments.
 """
 
 import argparse
