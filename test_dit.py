@@ -256,8 +256,8 @@ def test_any_input_size_channels_and_unconditional():
     assert not hasattr(model, "y_embedder")
     assert (model(jnp.ones((3, 12, 12, 1)), jnp.ones(3), jnp.zeros(3, jnp.int32)).shape
             == (3, 12, 12, 1))
-    with pytest.raises(ValueError, match="not divisible by the patch size"):
-        dit.DiTConfig(input_size=10, patch_size=4).grid
+    with pytest.raises(dit.InputError, match="does not divide the input size 10"):
+        dit.DiTConfig(input_size=10, patch_size=4)
 
 
 #################################################################################
@@ -2379,8 +2379,8 @@ def test_flops_match_the_paper():
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume: no checkpoint in"),
     (["--profile", "trace"], "--profile traces steps 11 to 15, after step 0 .* ends at step 2"),
-    (["--patch", "4", "--resolution", "6"], "--patch 4 does not divide the input size 6"),
-    (["--ln-scale", "0"], "--ln-scale: the logit-normal scale must be positive"),
+    (["--patch", "4", "--resolution", "6"], r"\(--patch 4\) does not divide the input size 6"),
+    (["--ln-scale", "0"], r"logit-normal scale \(--ln-scale\) must be positive"),
     (["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"], "--gif animates a grid"),
     (["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"],
      r"export takes a training checkpoint \(.npz\)"),
