@@ -1204,14 +1204,20 @@ def file_protocol(arrays):
     return "adm" if "mu_s" in arrays else "pytorch-fid"
 
 
-def save_reference(path, out, pr_images=REF_PR_IMAGES):
-    """A reference batch in OpenAI's evaluator's layout, from InceptionFeatures.result(): `mu`,
-    `sigma` (pool features, FID) and `mu_s`, `sigma_s` (spatial features, sFID), in float64; in
-    place of its `arr_0` images, `pool`, the float32 pool features of at most pr_images of them
-    (evenly spaced), which are what Precision and Recall use of the images; and `protocol`."""
-    keep = np.linspace(0, out["count"] - 1, min(pr_images, out["count"])).round().astype(int)
+def evenly_spaced(count, k):
+    """Indices of min(k, count) of `count` items, evenly spaced from the first to the last: the
+    images of a reference whose pool features are kept."""
+    return np.linspace(0, count - 1, min(k, count)).round().astype(int)
+
+
+def save_reference(path, out):
+    """A reference batch in OpenAI's evaluator's layout, from InceptionFeatures.result() (or the
+    same keys): `mu`, `sigma` (pool features, FID) and `mu_s`, `sigma_s` (spatial features, sFID),
+    in float64; in place of its `arr_0` images, `pool`, the float32 pool features of some of them
+    (REF_PR_IMAGES, evenly_spaced, as OpenAI keeps 10,000 images), which are what Precision and
+    Recall use of the images; and `protocol`."""
     np.savez(path, mu=out["mu"], sigma=out["sigma"], mu_s=out["mu_s"], sigma_s=out["sigma_s"],
-             pool=out["pool"][keep].astype(np.float32), protocol=np.array(out["protocol"]))
+             pool=np.asarray(out["pool"], np.float32), protocol=np.array(out["protocol"]))
 
 
 def load_reference(path):
@@ -1516,7 +1522,7 @@ def describe(result):
 
 def evaluate(images, ref=None, inception=None, batch_size=128, progress=True, protocol=None):
     """The five numbers (scores()) of uint8 images (N, H, W, 3) against a reference, with the
-    statistics of the images ("mu", "sigma", "mu_s", "sigma_s").
+    statistics ("mu", "sigma", "mu_s", "sigma_s") and pool features ("pool") of the images.
 
     `ref` is the path of a statistics or reference .npz, or load_reference's dict; without it only
     the Inception Score is computed. The protocol is the reference's (an error if `protocol` names
@@ -1541,7 +1547,8 @@ def evaluate(images, ref=None, inception=None, batch_size=128, progress=True, pr
               disable=not features.progress) as bar:
         features.update(images, bar)
     out = features.result()
-    return {**scores(out, ref), **{key: out[key] for key in ("mu", "sigma", "mu_s", "sigma_s")}}
+    return {**scores(out, ref),
+            **{key: out[key] for key in ("mu", "sigma", "mu_s", "sigma_s", "pool")}}
 
 
 def _is_statistics_file(source):
@@ -1677,7 +1684,8 @@ def main(argv=None):
             if args.command == "stats":
                 save_statistics(args.out, out["mu"], out["sigma"], protocol)
             else:
-                save_reference(args.out, out, args.pr_images)
+                out["pool"] = out["pool"][evenly_spaced(out["count"], args.pr_images)]
+                save_reference(args.out, out)
         say(f"saved the {protocol} {'statistics' if args.command == 'stats' else 'reference'} "
             f"of {out['count']} images to {args.out}")
     elif args.command == "fid":

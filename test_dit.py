@@ -2813,7 +2813,9 @@ def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     features = fid.InceptionFeatures(inception, batch_size=n, progress=False, protocol="adm")
     features.update(images[:n])
     with pytest.warns(UserWarning, match="singular"):
-        fid.save_reference(str(tmp_path / "ref.npz"), features.result(), pr_images=3)
+        out = features.result()
+    out["pool"] = out["pool"][fid.evenly_spaced(n, 3)]
+    fid.save_reference(str(tmp_path / "ref.npz"), out)
     ref = fid.load_reference(str(tmp_path / "ref.npz"))
     assert ref["protocol"] == "adm" and ref["pool"].shape == (3, 2048)
     assert rel_err(ref["pool"], adm["set32_pool"][[0, 2, 3]]) < 1e-4  # evenly spaced 3 of 4
@@ -2992,10 +2994,19 @@ def test_prepare_fid_statistics(tmp_path, monkeypatch):
     images = np.load(tmp_path / "out" / "images.npy")
     with pytest.warns(UserWarning, match="not pytorch-fid's official"):
         inception = fid.load_inception(weights)
-    pool3 = np.asarray(nnx.jit(lambda net, x: net(x)[0])(inception, images), np.float64)
+    pool3 = np.asarray(nnx.jit(lambda net, x: net(x, "pytorch-fid")[0])(inception, images),
+                       np.float64)
     assert rel_err(stats["mu"], pool3.mean(0)) < 1e-5
     assert rel_err(stats["sigma"], np.cov(pool3, rowvar=False)) < 1e-4
+    # Beside them, the adm protocol's reference batch of the same images.
+    ref = fid.load_reference(str(tmp_path / "out" / "fid_ref.npz"))
+    pool, _, spatial = (np.asarray(a, np.float64) for a in
+                        nnx.jit(lambda net, x: net(x, "adm"))(inception, images))
+    assert ref["protocol"] == "adm" and rel_err(ref["pool"], pool) < 1e-5
+    assert rel_err(ref["mu"], pool.mean(0)) < 1e-5 and rel_err(ref["mu_s"], spatial.mean(0)) < 1e-5
+    assert rel_err(ref["sigma_s"], np.cov(spatial, rowvar=False)) < 1e-4
     assert not (tmp_path / "out" / "inception.partial.npy").exists()
+    assert not (tmp_path / "out" / "adm.partial.npy").exists()
 
 
 #################################################################################
