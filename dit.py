@@ -3082,7 +3082,7 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
         fid.precision_recall(pool[::-1], pool)
         end = time.perf_counter()
     seconds = {**sampler.seconds, "Inception": scores - features,
-               "Precision/Recall": end - scores, "total": end - start}
+               "precision_recall": end - scores, "total": end - start}
     print(f"  FID-{args.fid} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
           f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
           + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())

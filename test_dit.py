@@ -2163,7 +2163,8 @@ def test_bench_reports_figures(tmp_path):
     [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
     assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
     seconds = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+) s\b", fid_line)}
-    phases = [seconds["sample"], seconds["decode"], seconds["Inception"]]
+    phases = [seconds["sample"], seconds["decode"], seconds["Inception"],
+              seconds["precision_recall"]]
     assert min(phases) > 0 and sum(phases) <= seconds["total"] + 0.002
     assert seconds["total"] - sum(phases) < 0.1 * seconds["total"]
     images_per_s = float(re.search(r"([\d.]+) images/s", fid_line).group(1))
@@ -2240,7 +2241,23 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
     arrays[table] = arrays[table][:-1]  # no null row
     np.savez(tmp_path / "no_null.npz", __meta__=np.array(json.dumps(meta)), **arrays)
     with pytest.raises(fid.InputError, match="no null label to guide with; use --cfg-scale 1"):
-        dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--cfg-scale", "1.5"])
+        dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--fid", "4", "--cfg-scale",
+                  "1,1.5"])
+    with pytest.raises(fid.InputError, match="several --cfg-scale values.*give --fid N"):
+        dit.main(["sample", "--ckpt", ckpt, "--cfg-scale", "1,2"])
+
+
+def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, straight_run):
+    """`sample --fid N --cfg-scale 1.5,4` samples once per scale from the same noise, so each set is
+    the one that scale alone gives; without --cfg-scale, FID samples use FID_CFG_SCALE (1.5), not
+    the grids' 4."""
+    ckpt = dit.list_checkpoints(straight_run)[-1]
+    common = ["sample", "--ckpt", ckpt, "--fid", "4", "--batch-size", "4", "--steps", "2"]
+    dit.main(common + ["--cfg-scale", "1.5,4", "--out", str(tmp_path / "sweep.npz")])
+    dit.main(common + ["--out", str(tmp_path / "default.npz")])
+    load = lambda name: np.load(tmp_path / name)["arr_0"]  # noqa: E731
+    np.testing.assert_array_equal(load("default.npz"), load("sweep_cfg1.5.npz"))
+    assert (load("sweep_cfg4.npz") != load("default.npz")).any()
 
 
 #################################################################################
