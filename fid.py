@@ -1,20 +1,23 @@
 """
-FID and Inception Score with the FID InceptionV3 network, in JAX, giving pytorch-fid's numbers.
+FID, sFID, Inception Score, Precision and Recall with the FID InceptionV3 network, in JAX, as OpenAI's
+evaluator or pytorch-fid computes them.
 
 The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two
 Time-Scale Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by
 pytorch-fid (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file
 directly, without torch, through a restricted unpickler that is also used to read DiT checkpoints
-and other pickles.
+and other pickles. Images reach it by one of two protocols (PROTOCOLS): `adm`, the way OpenAI's
+evaluator (openai/guided-diffusion, evaluations/evaluator.py) feeds the TF graph, which gave every
+figure of the DiT paper, or `pytorch-fid`'s.
 
-    python fid.py stats FOLDER_OR_NPZ OUT.npz     # reference statistics (mu, sigma), pytorch-fid's
-                                                    format
-    python fid.py fid samples.npz ref_stats.npz   # FID-10K of DiT samples (sample_ddp.py's arr_0
-                                                    layout)
+    python fid.py ref FOLDER_OR_NPZ OUT.npz       # a reference batch (OpenAI's evaluator's layout)
+    python fid.py stats FOLDER_OR_NPZ OUT.npz     # FID statistics (mu, sigma), pytorch-fid's layout
+    python fid.py fid samples.npz ref.npz         # FID, sFID, IS, Precision, Recall of DiT samples
+                                                    (sample_ddp.py's arr_0 layout)
     python fid.py is samples.npz                  # Inception Score
     python fid.py bench                           # images/s of the feature extractor
 
-From Python: `evaluate(images, ref_stats)` for uint8 (N, H, W, 3) arrays, `image_statistics` for
+From Python: `evaluate(images, ref)` for uint8 (N, H, W, 3) arrays, `image_statistics` for
 folders and .npz files, `InceptionFeatures` to stream batches as they are generated.
 """
 
