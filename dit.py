@@ -2908,7 +2908,9 @@ class Evaluator:
         self.ref = args.fid_ref
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
-            self.ref = os.path.join(data_dir, "fid_stats.npz")
+            # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
+            adm = os.path.join(data_dir, "fid_ref.npz")
+            self.ref = adm if os.path.exists(adm) else os.path.join(data_dir, "fid_stats.npz")
         # The held-out samples, their latent noise and the noise of the loss are fixed (seed 0),
         # whatever the run's seed: every evaluation of every run measures the same thing.
         k, batch = len(held_out), NamedSharding(mesh, P("data"))
@@ -3298,8 +3300,8 @@ def build_parser():
                    help="samples for the FID at the end (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
                    help="guidance scale of FID samples")
-    t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: "
-                   "<data-dir>/fid_stats.npz)")
+    t.add_argument("--fid-ref", help="reference batch or statistics .npz (imagenet100: "
+                   "<data-dir>/fid_ref.npz, else fid_stats.npz)")
     t.add_argument("--profile", metavar="DIR",
                    help=f"write a jax.profiler trace of steps {PROFILE_STEPS.start + 1} to "
                    f"{PROFILE_STEPS.stop} of this process to DIR (TensorBoard or Perfetto opens "
