@@ -2942,7 +2942,7 @@ class Evaluator:
         OpenAI's reference batches computed once)."""
         if not (self.ref and os.path.exists(self.ref)):
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
-                  f"pass --fid-ref (`python fid.py stats IMAGES stats.npz` makes one)")
+                  f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
         images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
                              self.num_classes, self.args.seed)
