@@ -30,13 +30,13 @@ Part III reads the files that come from outside, checking every claim they make.
      14. Benchmark                        images/s, MFU and memory
      15. Command line                     python dit.py [train|sample|export|bench]
     Part III: files from outside
-     16. Errors the user can fix          one line, `error: ...`, on the command line and in notebooks
+     16. Errors the user can fix          one line, `error: ...`, in a shell and in a notebook
      17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
      18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
      19. JSON and downloads               checked JSON, verified downloads
 
-Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and call
-main(["--size", "S", ...]) with the same arguments.
+Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
+call main(["--size", "S", ...]) with the same arguments.
 """
 
 import argparse
@@ -841,10 +841,9 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
     Pure; jit it."""
     guided = cfg_scale != 1 and model.cfg.num_classes
-    if guided and not model.cfg.class_dropout_prob:
-        raise ValueError("classifier-free guidance needs the null label, which a model trained "
-                         "without label dropout (class_dropout_prob 0) lacks: sample with "
-                         "cfg_scale 1")
+    if guided and not model.cfg.class_dropout_prob:  # InputError: the user's to fix, in one line
+        raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
+                         f"dropout, so it has no null label to guide with; use --cfg-scale 1")
     if guided:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
@@ -2217,8 +2216,8 @@ def export_ema(ckpt_path, out_path):
 # What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 takes the
 # paper's DiT-S/2 setup (32x32x4 latents, batch 256, lr 1e-4, EMA 0.9999) for 400K steps, with the
 # default objective, rectified flow (`--objective ddpm` for the paper's DDPM). MNIST, the demo that
-# `python dit.py` runs on a CPU, shows all ten digits in about 20 minutes on 2 cores: a tiny model, a
-# 10x learning rate, and an EMA over about 100 steps (0.9999 would keep most of the random
+# `python dit.py` runs on a CPU, shows all ten digits in about 20 minutes on 2 cores: a tiny model,
+# a 10x learning rate, and an EMA over about 100 steps (0.9999 would keep most of the random
 # initialisation for hours).
 RECIPES = {
     "imagenet100": dict(size="S", patch=2, batch_size=256, lr=1e-4, ema_decay=0.9999,
@@ -2702,11 +2701,14 @@ class MetricsLog:
         self.pending, self.t0 = [], time.perf_counter()
         return record
 
-    def scores(self, step, n, result):
-        """Write and print the FID-N and Inception Score of step `step`."""
-        self.write({"step": step, "fid": result["fid"], "fid_samples": n,
-                    "inception_score": result["inception_score"]})
-        print(f"step {step}: {describe_scores(result, n)}")
+    def scores(self, step, result):
+        """Write and print the scores (fid.scores) of step `step`, with their protocol and sample
+        count."""
+        self.write({"step": step, "fid_samples": result["count"],
+                    "fid_protocol": result["protocol"],
+                    **{key: result[key] for key in ("fid", "sfid", "inception_score", "precision",
+                                                    "recall")}})
+        print(f"step {step}: {fid_module().describe(result)}")
 
     @contextlib.contextmanager
     def paused(self):
@@ -2986,9 +2988,10 @@ def spread_labels(n, num_classes):
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
 
-# The guidance scale of FID samples (train --fid-cfg-scale, bench --fid): the paper's best FID-50K,
-# 2.27 for DiT-XL/2, was sampled at 1.5.
+# The guidance scale of FID samples (train --fid-cfg-scale, sample --fid, bench --fid): the paper's
+# best FID-50K, 2.27 for DiT-XL/2, was sampled at 1.5; its sample grids at 4.
 FID_CFG_SCALE = 1.5
+GRID_CFG_SCALE = 4.0
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
@@ -3009,12 +3012,6 @@ def generate(sampler, params, n, batch_size, shape, num_classes, seed):
     return images, labels
 
 
-def describe_scores(result, n):
-    score = result["inception_score"]  # None below 10 images
-    return (f"FID-{n / 1000:g}K {result['fid']:.3f}, Inception Score "
-            f"{'n/a' if score is None else f'{score:.2f}'}")
-
-
 def fid_module():
     """fid.py, which holds the Inception network of FID: the file beside this one, or its text run
     in a cell of the same notebook."""
@@ -3029,11 +3026,12 @@ def fid_module():
 
 
 def evaluate_samples(images, ref, inception):
-    """FID against reference statistics `ref` (.npz with mu, sigma) and Inception Score, with the
-    network that fid.load_inception built. Every process holds all the samples; each feeds its own
-    share and fid.py combines the statistics."""
+    """FID, sFID, Inception Score, Precision and Recall (fid.scores) against a reference (a path or
+    fid.load_reference's dict; its protocol is used), as many as it allows, with the network that
+    fid.load_inception built. Every process holds all the samples; each feeds its own share and
+    fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
-    return fid_module().evaluate(share, ref_stats=ref, inception=inception)
+    return fid_module().evaluate(share, ref=ref, inception=inception)
 
 
 # The times (fractions of the way from data to noise) at which the validation loss is measured: the
@@ -3076,11 +3074,13 @@ class Evaluator:
         self.shape, self.num_classes = ds.input_shape, ds.num_classes
         self.grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape))
         self.grid_labels = jnp.asarray(spread_labels(n, ds.num_classes))
-        self.args, self.inception = args, None
+        self.args, self.inception, self.reference = args, None, None
         self.ref = args.fid_ref
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
-            self.ref = os.path.join(data_dir, "fid_stats.npz")
+            # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
+            adm = os.path.join(data_dir, "fid_ref.npz")
+            self.ref = adm if os.path.exists(adm) else os.path.join(data_dir, "fid_stats.npz")
         if self.fid_sampler and self.ref and os.path.exists(self.ref):
             fid_module()  # a run that will need fid.py says so before it trains, not after
         # The held-out samples, their latent noise and the noise of the loss are fixed (seed 0),
@@ -3110,16 +3110,18 @@ class Evaluator:
                                                            f"step_{step:07d}.png")))
 
     def fid(self, params, step, n, log):
-        """FID-N and Inception Score of n samples, into the log; skipped, with a note why, when
-        there are no reference statistics."""
+        """FID-N and the other scores of n samples, into the log; skipped, with a note why, when
+        there are no reference statistics. The reference is read once (the image features of
+        OpenAI's reference batches computed once)."""
         if not (self.ref and os.path.exists(self.ref)):
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
-                  f"pass --fid-ref (`python fid.py stats IMAGES stats.npz` makes one)")
+                  f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
         images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
                              self.num_classes, self.args.seed)
         self.inception = self.inception or fid_module().load_inception(self.args.inception)
-        log.scores(step, n, evaluate_samples(images, self.ref, self.inception))
+        self.reference = self.reference or fid_module().load_reference(self.ref)
+        log.scores(step, evaluate_samples(images, self.reference, self.inception))
 
 
 #################################################################################
@@ -3245,29 +3247,36 @@ def bench(args):
 def bench_fid(args, cfg, graphdef, params, mesh, shape):
     """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
     guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype's precision, the Inception
-    statistics. A first pass compiles each phase at the shapes timed after it. The Frechet distance,
-    a matrix square root on the host that does not depend on N, is left out. Returns the seconds
-    of each phase and their total."""
+    statistics and features (fid.evaluate, adm protocol), Precision and Recall against N reference
+    features (the samples' own, reversed, stand in for them). A first pass compiles each phase at
+    the shapes timed after it. The Frechet distances (FID, sFID), matrix square roots on the host
+    that do not depend on N, are left out. Returns the seconds of each phase and their total."""
     vae_cfg = VAEConfig()
     vae = random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
                                                    rngs=nnx.Rngs(0)))
-    inception = random_weights(lambda: fid_module().InceptionV3(rngs=nnx.Rngs(0)))
+    fid = fid_module()
+    inception = random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
     method, steps = DEFAULT_SAMPLER[args.objective]
     sampler = Sampler(graphdef, make_objective(args.objective), mesh, steps=steps, method=method,
                       cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
     b = args.batch_size
     start = time.perf_counter()
     images, _ = generate(sampler, params, b, b, shape, cfg.num_classes, 0)
-    evaluate_samples(np.resize(images, (args.fid, *images.shape[1:])), None, inception)
+    pool = evaluate_samples(np.resize(images, (args.fid, *images.shape[1:])), None,
+                            inception)["pool"]
+    fid.precision_recall(pool[::-1], pool)
     warm_up = time.perf_counter() - start
     sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
     with profiled(args.profile, "fid"):
         start = time.perf_counter()
         images, _ = generate(sampler, params, args.fid, b, shape, cfg.num_classes, 0)
         features = time.perf_counter()
-        evaluate_samples(images, None, inception)
+        pool = evaluate_samples(images, None, inception)["pool"]
+        scores = time.perf_counter()
+        fid.precision_recall(pool[::-1], pool)
         end = time.perf_counter()
-    seconds = {**sampler.seconds, "Inception": end - features, "total": end - start}
+    seconds = {**sampler.seconds, "Inception": scores - features,
+               "precision_recall": end - scores, "total": end - start}
     print(f"  FID-{args.fid} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
           f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
           + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
@@ -3279,19 +3288,34 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
 #                                15. Command line                               #
 #################################################################################
 
+def float_list(text):
+    """The argparse type of comma-separated numbers: "1,1.5,2" -> [1.0, 1.5, 2.0]."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}") from None
+
+
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
-    scores."""
+    scores, once per guidance setting (every --cfg-scale with every --guidance-interval), each from
+    the same noise, so that their rows compare."""
     mesh = make_mesh()
+    scales = args.cfg_scale or [FID_CFG_SCALE if args.fid else GRID_CFG_SCALE]
+    intervals = args.guidance_interval or [None]
+    settings = list(itertools.product(scales, intervals))
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
             raise InputError("--gif animates a grid; it does not go with --fid")
+    elif len(settings) > 1:
+        raise InputError("several --cfg-scale values or --guidance-interval ranges are compared by "
+                         "their FID: give --fid N")
+    fid = fid_module() if args.fid and args.ref else None
+    reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
     model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
     default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
-    if args.cfg_scale != 1 and model.cfg.num_classes and not model.cfg.class_dropout_prob:
-        raise InputError(f"--cfg-scale {args.cfg_scale}: {args.ckpt} was trained without label "
-                         f"dropout, so it has no null label to guide with; use --cfg-scale 1")
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
                          f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")
@@ -3301,28 +3325,35 @@ def sample_command(args):
                          f"model")
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
-    sampler = Sampler(nnx.graphdef(model), objective, mesh, steps=args.steps or default_steps,
-                      method=args.sampler or default_method, cfg_scale=args.cfg_scale,
-                      guidance_channels=3 if args.guidance_channels == "3" else None,
-                      interval=args.guidance_interval,
-                      vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
-                           if latent_scale else None),
-                      latent_scale=latent_scale,
-                      return_trajectory=bool(args.gif))
+    make_sampler = functools.partial(
+        Sampler, nnx.graphdef(model), objective, mesh, steps=args.steps or default_steps,
+        method=args.sampler or default_method,
+        guidance_channels=3 if args.guidance_channels == "3" else None,
+        vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+             if latent_scale else None),
+        latent_scale=latent_scale, return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
     if args.fid:
-        images, labels = generate(sampler, params, args.fid, args.batch_size, shape,
-                                  cfg.num_classes, args.seed)
-        if jax.process_index() == 0:
-            out = args.out or "samples.npz"
-            write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
-            print(f"{len(images)} samples -> {out}")
-        if args.ref:
-            result = evaluate_samples(images, args.ref, fid_module().load_inception(args.inception))
-            print(describe_scores(result, args.fid))
-            return {k: v for k, v in result.items() if np.ndim(v) == 0}  # the scores, not mu, sigma
-        return
+        inception = fid.load_inception(args.inception) if reference else None
+        root, ext, scores = *os.path.splitext(args.out or "samples.npz"), {}
+        for scale, interval in settings:
+            setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]"
+                                               if interval else "")
+            images, labels = generate(make_sampler(cfg_scale=scale, interval=interval), params,
+                                      args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
+            if jax.process_index() == 0:
+                out = root + ext if len(settings) == 1 else (
+                    f"{root}_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval
+                                              else "") + ext)
+                write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
+                print(f"{len(images)} samples ({setting}) -> {out}")
+            if reference:
+                result = evaluate_samples(images, reference, inception)
+                print(f"{setting}: {fid.describe(result)}")
+                scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
+        return scores  # what a notebook shows: the scores of each setting, not the features
+    sampler = make_sampler(cfg_scale=scales[0], interval=intervals[0])
     n = math.ceil(args.n / jax.device_count()) * jax.device_count()
     labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
               else spread_labels(n, cfg.num_classes))
@@ -3465,8 +3496,8 @@ def build_parser():
                    help="samples for the FID at the end (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
                    help="guidance scale of FID samples")
-    t.add_argument("--fid-ref", help="reference statistics .npz (imagenet100: "
-                   "<data-dir>/fid_stats.npz)")
+    t.add_argument("--fid-ref", help="reference batch or statistics .npz (imagenet100: "
+                   "<data-dir>/fid_ref.npz, else fid_stats.npz)")
     t.add_argument("--profile", metavar="DIR",
                    help=f"write a jax.profiler trace of steps {PROFILE_STEPS.start + 1} to "
                    f"{PROFILE_STEPS.stop} of this process to DIR (TensorBoard or Perfetto opens "
@@ -3476,8 +3507,10 @@ def build_parser():
                        help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
     s.add_argument("--ckpt", required=True,
                    help="training checkpoint .npz, exported .safetensors or official .pt")
-    s.add_argument("--cfg-scale", type=float, default=4.0,
-                   help="classifier-free guidance scale (1: none)")
+    s.add_argument("--cfg-scale", type=float_list,
+                   help=f"classifier-free guidance scale (1: none; default {GRID_CFG_SCALE:g} for "
+                   f"a grid, {FID_CFG_SCALE:g} for --fid); with --fid, comma-separated scales "
+                   f"are each sampled and scored")
     s.add_argument("--steps", type=positive_int, help=f"sampling steps {steps_default}")
     s.add_argument("--sampler", choices=[*RectifiedFlow.METHODS, *GaussianDiffusion.METHODS],
                    help="rf: heun (default) or euler; ddpm: ddpm (default) or ddim")
@@ -3485,14 +3518,17 @@ def build_parser():
                    help="guide all channels, or the first 3 as the official FID figures were "
                    "computed")
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
-                   help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale")
+                   action="append",
+                   help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale; with "
+                   "--fid, repeat it to sample and score each interval")
     s.add_argument("--n", type=positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
     s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
     s.add_argument("--fid", type=non_negative_int, default=0,
                    help="draw this many samples (labels spread evenly) as .npz")
-    s.add_argument("--ref", help="reference statistics .npz for FID (with --fid)")
+    s.add_argument("--ref", help="reference .npz for the scores (with --fid): `fid.py ref`'s, "
+                   "OpenAI's reference batches, or FID statistics (`fid.py stats`)")
     s.add_argument("--batch-size", type=positive_int, default=64,
                    help="global sampling batch for --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")

@@ -1,20 +1,24 @@
 """
-FID and Inception Score with the FID InceptionV3 network, in JAX, giving pytorch-fid's numbers.
+FID, sFID, Inception Score, Precision and Recall with the FID InceptionV3 network, in JAX, as
+OpenAI's evaluator or pytorch-fid computes them.
 
 The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two
 Time-Scale Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by
 pytorch-fid (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file
-directly, without torch, through dit.py's restricted reader of PyTorch files: dit.py holds every
-reader of untrusted files, so fid.py needs it beside (or pasted into the same notebook).
+directly, without torch, through dit.py's restricted reader of PyTorch files (dit.py holds every
+reader of untrusted files, so fid.py needs it beside, or pasted into the same notebook). Images
+reach the network by one of two protocols (PROTOCOLS): `adm`, the way OpenAI's evaluator
+(openai/guided-diffusion, evaluations/evaluator.py) feeds the TF graph, which gave every figure of
+the DiT paper, or `pytorch-fid`'s.
 
-    python fid.py stats FOLDER_OR_NPZ OUT.npz     # reference statistics (mu, sigma), pytorch-fid's
-                                                    format
-    python fid.py fid samples.npz ref_stats.npz   # FID-10K of DiT samples (sample_ddp.py's arr_0
-                                                    layout)
+    python fid.py ref FOLDER_OR_NPZ OUT.npz       # a reference batch (OpenAI's evaluator's layout)
+    python fid.py stats FOLDER_OR_NPZ OUT.npz     # FID statistics (mu, sigma), pytorch-fid's layout
+    python fid.py fid samples.npz ref.npz         # FID, sFID, IS, Precision, Recall of DiT samples
+                                                    (sample_ddp.py's arr_0 layout)
     python fid.py is samples.npz                  # Inception Score
     python fid.py bench                           # images/s of the feature extractor
 
-From Python: `evaluate(images, ref_stats)` for uint8 (N, H, W, 3) arrays, `image_statistics` for
+From Python: `evaluate(images, ref)` for uint8 (N, H, W, 3) arrays, `image_statistics` for
 folders and .npz files, `InceptionFeatures` to stream batches as they are generated.
 """
 
@@ -26,6 +30,7 @@ import struct
 import tempfile
 import time
 import warnings
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +42,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
 
-# dit.py holds what the two files share: the readers of untrusted files and InputError. Run as a
+# dit.py holds what the two files share: the readers of untrusted files and dit.InputError. Run as a
 # script or pasted into a notebook cell, each file registers itself, so that the other's import
 # finds this very code rather than a second copy of it.
 if __name__ == "__main__":
@@ -54,18 +59,23 @@ except ModuleNotFoundError as e:
 #                      FID InceptionV3 (pytorch-fid's port)                     #
 #################################################################################
 
-def resize_matrix(in_size, out_size):
-    """(out_size, in_size) matrix of torch's bilinear `interpolate(align_corners=False)` along one
-    axis.
+def resize_matrix(in_size, out_size, half_pixel=True):
+    """(out_size, in_size) matrix of bilinear resizing along one axis, without antialiasing.
 
-    Output pixel i samples the input at src = (i + 0.5) * in/out - 0.5 (clamped below at 0) and
-    mixes its two neighbours linearly. There is no antialiasing: when shrinking, pixels between the
-    sampled pairs are skipped, exactly as in pytorch-fid.
+    half_pixel=True is torch's `interpolate(align_corners=False)`, pytorch-fid's resize: output
+    pixel i samples the input at src = (i + 0.5) * in/out - 0.5 (clamped below at 0).
+    half_pixel=False is TensorFlow 1's `resize_bilinear` (align_corners=False), the ResizeBilinear
+    node of the 2015 Inception graph that OpenAI's evaluator feeds: src = i * in/out, so the grid is
+    anchored at the top-left pixel and the last rows repeat the edge. Either way the two neighbours
+    of src mix linearly, and when shrinking the pixels between the sampled pairs are skipped.
     """
-    # Rounded as torch's CPU kernel rounds: a float32 scale, then a fused multiply-add rounded once
-    # to float32.
+    # Rounded as both libraries' CPU kernels round: a float32 scale, then src rounded once to
+    # float32.
     scale = np.float64(np.float32(in_size) / np.float32(out_size))
-    src = np.maximum(((np.arange(out_size) + 0.5) * scale - 0.5).astype(np.float32), 0)
+    if half_pixel:
+        src = np.maximum(((np.arange(out_size) + 0.5) * scale - 0.5).astype(np.float32), 0)
+    else:
+        src = (np.arange(out_size) * scale).astype(np.float32)
     lo = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
     hi = np.minimum(lo + 1, in_size - 1)
     frac = np.clip(src - lo, 0, 1).astype(np.float32)
@@ -76,18 +86,32 @@ def resize_matrix(in_size, out_size):
     return matrix
 
 
-def resize_bilinear(x, height, width):
-    """(B, H, W, C) -> (B, height, width, C) as torch's bilinear interpolate without antialiasing.
+def resize_bilinear(x, height, width, half_pixel=True):
+    """(B, H, W, C) -> (B, height, width, C) by bilinear interpolation without antialiasing, as
+    torch (half_pixel=True) or TensorFlow 1 (half_pixel=False) resize: resize_matrix.
 
-    Bilinear resizing is separable, so it is two small matrix products, with torch's interpolation
-    weights (to float32 rounding) and fast on any device.
+    Bilinear resizing is separable, so it is two small matrix products, with the libraries'
+    interpolation weights (to float32 rounding) and fast on any device.
     """
-    rows, cols = resize_matrix(x.shape[1], height), resize_matrix(x.shape[2], width)
+    rows = resize_matrix(x.shape[1], height, half_pixel)
+    cols = resize_matrix(x.shape[2], width, half_pixel)
     # HIGHEST keeps these products in true float32 where a GPU would otherwise use TF32.
     # (B, height, W, C)
     x = jnp.einsum("oh,bhwc->bowc", rows, x, precision=jax.lax.Precision.HIGHEST)
     # (B, height, width, C)
     return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)
+
+
+# How images become Inception features, named by the code whose numbers each reproduces:
+# - "adm": OpenAI's evaluator (openai/guided-diffusion, evaluations/evaluator.py), which computed
+#   every figure of the DiT paper and of ADM: the graph's TF1 resize and normalisation, Inception
+#   Score in splits of 5,000 samples.
+# - "pytorch-fid": pytorch-fid's resize and normalisation, Inception Score in 10 splits.
+# FID, sFID, Precision and Recall are computed the same way in both.
+PROTOCOLS = ("adm", "pytorch-fid")
+DEFAULT_PROTOCOL = "adm"
+SPATIAL_CHANNELS = 7  # of mixed_6/conv, the sFID features
+SPATIAL_DIM = 17 * 17 * SPATIAL_CHANNELS
 
 
 class BasicConv2d(nnx.Module):
@@ -234,11 +258,16 @@ class InceptionE(nnx.Module):
 
 class InceptionV3(nnx.Module):
     """The FID InceptionV3: uint8 images (B, H, W, 3) -> (pool features (B, 2048), logits
-    (B, 1008)).
+    (B, 1008), spatial features (B, 2023)).
 
     Same layers and names as pytorch-fid's `fid_inception_v3()`, so its weight file maps one to one.
-    Inputs of any size are resized to 299x299 as pytorch-fid does; the 1008 logits (1000 ImageNet
-    classes plus 8 unused, as in the TF graph) serve the Inception Score.
+    Inputs of any size are resized to 299x299 and scaled to about [-1, 1] as the protocol does it
+    (PROTOCOLS). The 1008 logits (1000 ImageNet classes plus 8 unused, as in the TF graph) serve the
+    Inception Score. The spatial features serve sFID (Nash et al. 2021, "Generating Images with
+    Sparse Representations"): the first 7 channels of the graph's `mixed_6/conv`, the 1x1 branch of
+    its seventh mixed block, which is Mixed_6d here (the graph numbers its blocks mixed, mixed_1,
+    ..., mixed_10 for Mixed_5b ... Mixed_7c), flattened over the 17x17 grid as OpenAI's evaluator
+    flattens them (height, width, channel).
     """
 
     def __init__(self, *, rngs):
@@ -260,7 +289,7 @@ class InceptionV3(nnx.Module):
         self.Mixed_7c = InceptionE(2048, pool="max", rngs=rngs)
         self.fc = nnx.Linear(2048, 1008, rngs=rngs)
 
-    def __call__(self, images):
+    def __call__(self, images, protocol="pytorch-fid"):
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != jnp.uint8:
             raise ValueError(f"InceptionV3 expects uint8 RGB images of shape (B, H, W, 3), got "
                              f"{images.dtype} {tuple(images.shape)}; convert floats in [0, 1] with "
@@ -268,21 +297,30 @@ class InceptionV3(nnx.Module):
         # Float32 products on every backend, as pytorch-fid's reference numbers were computed: XLA
         # otherwise multiplies float32 in TF32 on NVIDIA GPUs and in one bfloat16 pass on TPUs.
         with jax.default_matmul_precision("highest"):
-            # pytorch-fid: uint8 / 255, bilinear resize to 299x299, then [0, 1] -> [-1, 1], in that
-            # order.
-            x = resize_bilinear(images.astype(jnp.float32) / 255, 299, 299)  # (B, 299, 299, 3)
-            x = 2 * x - 1
+            if protocol == "adm":
+                # The graph's own input path, which OpenAI's evaluator feeds float 0..255 pixels:
+                # TF1's bilinear resize, then (x - 128) / 128.
+                x = resize_bilinear(images.astype(jnp.float32), 299, 299, half_pixel=False)
+                x = (x - 128) / 128  # (B, 299, 299, 3)
+            else:
+                # pytorch-fid: uint8 / 255, torch's bilinear resize to 299x299, then [0, 1] ->
+                # [-1, 1], in that order.
+                x = resize_bilinear(images.astype(jnp.float32) / 255, 299, 299)
+                x = 2 * x - 1  # (B, 299, 299, 3)
             x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))  # (B, 147, 147, 64)
             x = max_pool_3x3(x, 2)  # (B, 73, 73, 64)
             x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))  # (B, 71, 71, 192)
             x = max_pool_3x3(x, 2)  # (B, 35, 35, 192)
             x = self.Mixed_5d(self.Mixed_5c(self.Mixed_5b(x)))  # (B, 35, 35, 288)
             x = self.Mixed_6a(x)  # (B, 17, 17, 768)
-            x = self.Mixed_6e(self.Mixed_6d(self.Mixed_6c(self.Mixed_6b(x))))  # (B, 17, 17, 768)
+            x = self.Mixed_6d(self.Mixed_6c(self.Mixed_6b(x)))  # (B, 17, 17, 768)
+            # Mixed_6d's output starts with its 1x1 branch: mixed_6/conv.
+            spatial = x[..., :SPATIAL_CHANNELS].reshape(len(x), -1)  # (B, 17 * 17 * 7)
+            x = self.Mixed_6e(x)  # (B, 17, 17, 768)
             x = self.Mixed_7a(x)  # (B, 8, 8, 1280)
             x = self.Mixed_7c(self.Mixed_7b(x))  # (B, 8, 8, 2048)
             pool = x.mean(axis=(1, 2))  # (B, 2048): pytorch-fid's "pool3" features
-            return pool, self.fc(pool)  # (B, 2048), (B, 1008)
+            return pool, self.fc(pool), spatial  # (B, 2048), (B, 1008), (B, 2023)
 
 
 #################################################################################
@@ -481,30 +519,129 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
 
 
-def inception_score(logits, splits=10):
-    """(mean, std) over `splits` equal parts of exp(E_x KL(p(y|x) || p(y))) (Salimans et al. 2016).
+def inception_score(logits, splits=10, split_size=None):
+    """(mean, std) over parts of exp(E_x KL(p(y|x) || p(y))) (Salimans et al. 2016).
 
-    p(y|x) is the softmax of the 1008 logits; p(y) is the mean over each part. Pass the logits
-    without the bias of the last layer (pool @ W), as the original TF code and OpenAI's evaluator
-    compute them: InceptionFeatures.result()["score_logits"].
+    p(y|x) is the softmax of the 1008 logits; p(y) is the mean over each part. The parts are
+    `splits` near-equal ones (pytorch-fid's protocol, 10), or with `split_size` consecutive runs of
+    that many samples, the last one shorter, as OpenAI's evaluator splits them (5,000: 2 parts of
+    FID-10K's samples, 10 of FID-50K's). Pass the logits without the bias of the last layer
+    (pool @ W), as the original TF code and OpenAI's evaluator compute them:
+    InceptionFeatures.result()["score_logits"].
     """
     logits = np.asarray(logits, np.float64)
-    if len(logits) < splits:
+    if split_size is None and len(logits) < splits:
         raise dit.InputError(
             f"Inception Score with {splits} splits needs at least {splits} images, "
             f"got {len(logits)}; give more images")
+    if not len(logits):
+        raise dit.InputError("Inception Score of no images; give some")
     log_p = logits - scipy.special.logsumexp(logits, axis=1, keepdims=True)  # (N, 1008): log p(y|x)
+    parts = (np.array_split(log_p, splits) if split_size is None
+             else [log_p[i:i + split_size] for i in range(0, len(log_p), split_size)])
     scores = []
-    for part in np.array_split(log_p, splits):
+    for part in parts:
         log_marginal = np.log(np.exp(part).mean(axis=0))  # (1008,): log p(y) over this part
         kl = (np.exp(part) * (part - log_marginal)).sum(axis=1)  # (n,)
         scores.append(np.exp(kl.mean()))
     return float(np.mean(scores)), float(np.std(scores))
 
 
-def save_statistics(path, mu, sigma):
-    """Write FID statistics as pytorch-fid does: an .npz with `mu` (D,) and `sigma` (D, D)."""
-    np.savez(path, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64))
+#################################################################################
+#          Precision and Recall (Kynkaanniemi et al. 2019), on the device        #
+#################################################################################
+
+# Rows and columns of one block of distances. OpenAI's evaluator (ManifoldEstimator) works in blocks
+# of 10,000 x 10,000 and decides per block whether float16 distances are finite or must be
+# recomputed in float32, so the same blocks give the same distances.
+PR_BLOCK = 10_000
+PR_NEIGHBOURS = 3  # the k of the k-NN radii, the evaluator's
+
+
+def _squared_distances(u, v, dtype):
+    """(R, C) squared Euclidean distances |u|^2 - 2 u.v + |v|^2 (clamped at 0) of u (R, D) and
+    v (C, D), every step rounded to `dtype` as the evaluator's TensorFlow graph rounds it; sums and
+    products accumulate in float32, as on the accelerators the evaluator ran on."""
+    u, v = u.astype(dtype), v.astype(dtype)
+    norm_u = jnp.sum(jnp.square(u), axis=1, dtype=jnp.float32).astype(dtype)  # (R,)
+    norm_v = jnp.sum(jnp.square(v), axis=1, dtype=jnp.float32).astype(dtype)  # (C,)
+    dot = jnp.dot(u, v.T, preferred_element_type=jnp.float32,
+                  precision=jax.lax.Precision.HIGHEST).astype(dtype)  # (R, C)
+    return jnp.maximum(norm_u[:, None] - 2 * dot + norm_v[None, :], 0)
+
+
+@jax.jit
+def _block_distances(u, v):
+    """The evaluator's DistanceBlock: float16 distances where all of the block's are finite, else
+    the block again in float32. (R, C) float32."""
+    half = _squared_distances(u, v, jnp.float16)
+    return jax.lax.cond(jnp.isfinite(half).all(), lambda: half.astype(jnp.float32),
+                        lambda: _squared_distances(u, v, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _nearest(nearest, block, k):
+    """The k + 1 smallest squared distances of each row (R, k + 1), ascending, of the running ones
+    (R, k + 1) and a new block (R, C)."""
+    return -jax.lax.top_k(-jnp.concatenate([nearest, block], axis=1), k + 1)[0]
+
+
+def manifold_radii(features, k=PR_NEIGHBOURS):
+    """(N,) squared distance of each feature vector (N, D) to its k-th nearest neighbour in the set,
+    the radius of its ball in the estimated manifold. The vector itself counts as its nearest (at
+    distance 0), as in the evaluator. Rows go PR_BLOCK at a time and keep only their k + 1 nearest,
+    so the N x N distances are never held at once."""
+    features = jnp.asarray(features, jnp.float32)
+    radii = []
+    for i in range(0, len(features), PR_BLOCK):
+        rows = features[i:i + PR_BLOCK]
+        nearest = jnp.full((len(rows), k + 1), jnp.inf, jnp.float32)
+        for j in range(0, len(features), PR_BLOCK):
+            nearest = _nearest(nearest, _block_distances(rows, features[j:j + PR_BLOCK]), k)
+        radii.append(nearest[:, k])
+    return jnp.concatenate(radii)
+
+
+@jax.jit
+def _inside(u, v, radii_u, radii_v):
+    """For blocks u (R, D) and v (C, D): whether each u lies in some ball of v (R,), and each v in
+    some ball of u (C,)."""
+    distances = _block_distances(u, v)  # (R, C)
+    return ((distances <= radii_v[None, :]).any(axis=1),
+            (distances <= radii_u[:, None]).any(axis=0))
+
+
+def precision_recall(ref_features, features, k=PR_NEIGHBOURS):
+    """Improved Precision and Recall (Kynkaanniemi et al. 2019) as OpenAI's evaluator computes them
+    from pool features (N, 2048): precision is the fraction of samples inside the reference
+    manifold (some reference ball of radius the distance to its k-th neighbour), recall the
+    fraction of references inside the samples' manifold."""
+    if min(len(ref_features), len(features)) <= k:
+        raise dit.InputError(f"Precision and Recall need more than {k} images in each set, got "
+                             f"{len(ref_features)} references and {len(features)} samples")
+    ref_features = jnp.asarray(ref_features, jnp.float32)
+    features = jnp.asarray(features, jnp.float32)
+    ref_radii, radii = manifold_radii(ref_features, k), manifold_radii(features, k)
+    ref_inside = np.zeros(len(ref_features), bool)
+    inside = np.zeros(len(features), bool)
+    for i in range(0, len(ref_features), PR_BLOCK):
+        for j in range(0, len(features), PR_BLOCK):
+            ref_in, sample_in = _inside(ref_features[i:i + PR_BLOCK], features[j:j + PR_BLOCK],
+                                        ref_radii[i:i + PR_BLOCK], radii[j:j + PR_BLOCK])
+            ref_inside[i:i + PR_BLOCK] |= np.asarray(ref_in)
+            inside[j:j + PR_BLOCK] |= np.asarray(sample_in)
+    return float(inside.mean()), float(ref_inside.mean())
+
+
+#################################################################################
+#                     Reference statistics and reference batches                  #
+#################################################################################
+
+def save_statistics(path, mu, sigma, protocol="pytorch-fid"):
+    """Write FID statistics as pytorch-fid does: an .npz with `mu` (D,) and `sigma` (D, D), and the
+    `protocol` that made them, which pytorch-fid's reader ignores."""
+    np.savez(path, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64),
+             protocol=np.array(protocol))
 
 
 def load_statistics(path):
@@ -525,6 +662,67 @@ def load_statistics(path):
     return mu.astype(np.float64), sigma.astype(np.float64)
 
 
+REF_PR_IMAGES = 10_000  # OpenAI's reference batches keep 10,000 images for Precision and Recall
+
+
+def file_protocol(arrays):
+    """The protocol of a statistics or reference file's arrays: its `protocol` if it names one
+    (files that fid.py writes), else "adm" for OpenAI's reference batches (with sFID's mu_s) and
+    "pytorch-fid" for pytorch-fid's statistics (mu and sigma only)."""
+    if "protocol" in arrays:
+        return str(arrays["protocol"])
+    return "adm" if "mu_s" in arrays else "pytorch-fid"
+
+
+def evenly_spaced(count, k):
+    """Indices of min(k, count) of `count` items, evenly spaced from the first to the last: the
+    images of a reference whose pool features are kept."""
+    return np.linspace(0, count - 1, min(k, count)).round().astype(int)
+
+
+def save_reference(path, out):
+    """A reference batch in OpenAI's evaluator's layout, from InceptionFeatures.result() (or the
+    same keys): `mu`, `sigma` (pool features, FID) and `mu_s`, `sigma_s` (spatial features, sFID),
+    in float64; in place of its `arr_0` images, `pool`, the float32 pool features of some of them
+    (REF_PR_IMAGES, evenly_spaced, as OpenAI keeps 10,000 images), which are what Precision and
+    Recall use of the images; and `protocol`."""
+    np.savez(path, mu=out["mu"], sigma=out["sigma"], mu_s=out["mu_s"], sigma_s=out["sigma_s"],
+             pool=np.asarray(out["pool"], np.float32), protocol=np.array(out["protocol"]))
+
+
+def load_reference(path):
+    """The reference statistics and features of an .npz: {"protocol", "mu", "sigma"} and, where the
+    file has them, "mu_s" and "sigma_s" (sFID), "pool" (Precision and Recall) and "images" (the
+    `arr_0` of OpenAI's reference batches, such as VIRTUAL_imagenet256_labeled.npz, whose pool
+    features evaluate() computes when it needs them)."""
+    mu, sigma = load_statistics(path)
+    arrays = dit.read_npz(path, ["mu_s", "sigma_s", "pool", "protocol"])
+    ref = {"protocol": file_protocol(arrays), "mu": mu, "sigma": sigma}
+    if ref["protocol"] not in PROTOCOLS:
+        raise dit.InputError(f"{path}: unknown protocol {ref['protocol']!r}; expected one of "
+                             f"{', '.join(PROTOCOLS)}")
+    if "mu_s" in arrays:
+        mu_s, sigma_s = arrays["mu_s"], arrays.get("sigma_s")
+        if (sigma_s is None or mu_s.shape != (SPATIAL_DIM,)
+                or sigma_s.shape != (SPATIAL_DIM, SPATIAL_DIM)):
+            raise dit.InputError(f"{path}: mu_s {mu_s.shape} and sigma_s "
+                                 f"{None if sigma_s is None else sigma_s.shape} are not sFID "
+                                 f"statistics ({SPATIAL_DIM},) and ({SPATIAL_DIM}, {SPATIAL_DIM}); "
+                                 f"make the reference with `python fid.py ref`")
+        ref["mu_s"], ref["sigma_s"] = mu_s.astype(np.float64), sigma_s.astype(np.float64)
+    if "pool" in arrays:
+        pool = arrays["pool"]
+        if pool.ndim != 2 or pool.shape[1] != len(mu) or pool.dtype.kind != "f":
+            raise dit.InputError(f"{path}: pool {pool.dtype} {pool.shape} is not (N, {len(mu)}) "
+                                 f"features; make the reference with `python fid.py ref`")
+        ref["pool"] = pool.astype(np.float32)
+    elif ref["protocol"] == "adm":
+        with zipfile.ZipFile(path) as archive:  # a valid .npz: load_statistics has read it
+            if "arr_0.npy" in archive.namelist():
+                ref["images"] = load_images(path)
+    return ref
+
+
 #################################################################################
 #           Feature extraction over all devices and hosts, image sources        #
 #################################################################################
@@ -539,15 +737,17 @@ def _allgather(x):
     return np.asarray(gathered).view(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _inception_forward(graphdef, state, images):
-    """Compiled once per (batch, image shape) and shared by every InceptionFeatures (e.g. repeated
-    evaluations)."""
-    return nnx.merge(graphdef, state)(images)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _inception_forward(graphdef, protocol, state, images):
+    """Compiled once per (protocol, batch, image shape) and shared by every InceptionFeatures (e.g.
+    repeated evaluations)."""
+    return nnx.merge(graphdef, state)(images, protocol)
 
 
 class InceptionFeatures:
-    """Streams uint8 images through the InceptionV3: pool3 statistics in float64 and all logits.
+    """Streams uint8 images through the InceptionV3 as `protocol` feeds it: the statistics of the
+    pool and spatial features in float64, all pool features (for Precision and Recall) and all
+    logits.
 
     Each call to `update` runs jit-compiled batches sharded over every device (a 1-D mesh), the last
     batch padded and the padding dropped. Under `jax.distributed` every process passes its own
@@ -555,24 +755,30 @@ class InceptionFeatures:
     processes.
     """
 
-    def __init__(self, inception, batch_size=128, progress=True):
+    def __init__(self, inception, batch_size=128, progress=True, protocol=DEFAULT_PROTOCOL):
+        if protocol not in PROTOCOLS:
+            raise dit.InputError(f"unknown protocol {protocol!r}; expected one of "
+                                 f"{', '.join(PROTOCOLS)}")
         self.mesh = jax.make_mesh((jax.device_count(),), ("batch",))
         self.per_device = batch_size
         graphdef, state = nnx.split(inception)
         # weights replicated on every device
         self.state = jax.device_put(state, NamedSharding(self.mesh, P()))
-        # (state, images) -> (pool, logits)
-        self.forward = functools.partial(_inception_forward, graphdef)
-        self.stats = FeatureStats(2048)
-        self.logits = []  # this process's (n, 1008) blocks
+        # (state, images) -> (pool, logits, spatial)
+        self.forward = functools.partial(_inception_forward, graphdef, protocol)
+        self.protocol = protocol
+        self.stats, self.spatial_stats = FeatureStats(2048), FeatureStats(SPATIAL_DIM)
+        self.pool, self.logits = [], []  # this process's (n, 2048) and (n, 1008) blocks
         self.fc_bias = np.asarray(inception.fc.bias[...])
         self.image_shape = None
         self.progress = progress and jax.process_index() == 0
 
     def _to_host(self, outputs, valid):
-        pool, logits = multihost_utils.global_array_to_host_local_array(outputs, self.mesh,
-                                                                        P("batch"))
-        self.stats.update(np.asarray(pool)[:valid])
+        pool, logits, spatial = multihost_utils.global_array_to_host_local_array(
+            outputs, self.mesh, P("batch"))
+        self.pool.append(np.asarray(pool)[:valid])
+        self.stats.update(self.pool[-1])
+        self.spatial_stats.update(np.asarray(spatial)[:valid])
         self.logits.append(np.asarray(logits)[:valid])
 
     def update(self, images, bar=None):
@@ -619,23 +825,35 @@ class InceptionFeatures:
         self._to_host(*pending)
 
     def result(self):
-        """{"mu", "sigma", "count", "logits", "score_logits"} over the images of all processes:
-        "logits" are pytorch-fid's (the last layer's output), "score_logits" the same without its
-        bias, for the Inception Score."""
-        stats = FeatureStats(2048)
-        gathered = _allgather(np.concatenate([[self.stats.count], self.stats.mean,
-                                              self.stats.scatter.ravel()]))
-        for row in gathered:  # (1 + D + D*D,) per process
-            stats.merge(int(row[0]), row[1:2049], row[2049:].reshape(2048, 2048))
-        logits = np.concatenate(self.logits) if self.logits else np.zeros((0, 1008), np.float32)
-        if jax.process_count() > 1:  # pad to a common length to gather, then drop the padding
-            counts = _allgather(np.array([len(logits)]))[:, 0]
-            padded = np.zeros((counts.max(), 1008), np.float32)
-            padded[:len(logits)] = logits
-            logits = np.concatenate([rows[:n] for rows, n in zip(_allgather(padded), counts)])
-        mu, sigma = stats.mu_sigma()
-        return {"mu": mu, "sigma": sigma, "count": stats.count, "logits": logits,
-                "score_logits": logits - self.fc_bias}
+        """{"mu", "sigma", "mu_s", "sigma_s", "count", "pool", "logits", "score_logits", "protocol"}
+        over the images of all processes: "mu_s" and "sigma_s" are the spatial features' (sFID),
+        "pool" all pool features (N, 2048), "logits" pytorch-fid's (the last layer's output),
+        "score_logits" the same without its bias, for the Inception Score."""
+        moments = []
+        for local in (self.stats, self.spatial_stats):
+            stats, dim = FeatureStats(len(local.mean)), len(local.mean)
+            gathered = _allgather(np.concatenate([[local.count], local.mean,
+                                                  local.scatter.ravel()]))
+            for row in gathered:  # (1 + D + D*D,) per process
+                stats.merge(int(row[0]), row[1:dim + 1], row[dim + 1:].reshape(dim, dim))
+            moments.append(stats.mu_sigma())
+        (mu, sigma), (mu_s, sigma_s) = moments
+        logits = _gather_rows(self.logits, 1008)
+        return {"mu": mu, "sigma": sigma, "mu_s": mu_s, "sigma_s": sigma_s,
+                "count": len(logits), "pool": _gather_rows(self.pool, 2048), "logits": logits,
+                "score_logits": logits - self.fc_bias, "protocol": self.protocol}
+
+
+def _gather_rows(blocks, dim):
+    """This process's float32 (n, dim) blocks -> the rows of all processes, in process order."""
+    rows = np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
+    if jax.process_count() == 1:
+        return rows
+    # pad to a common length to gather, then drop the padding
+    counts = _allgather(np.array([len(rows)]))[:, 0]
+    padded = np.zeros((counts.max(), dim), np.float32)
+    padded[:len(rows)] = rows
+    return np.concatenate([part[:n] for part, n in zip(_allgather(padded), counts)])
 
 
 class ImageFolder:
@@ -709,16 +927,15 @@ def load_images(source):
     return images
 
 
-def image_statistics(images, inception, batch_size=128, progress=True):
-    """{"mu", "sigma", "count", "logits", "score_logits"} of a sequence of uint8 images (an array or
-    an ImageFolder).
+def image_statistics(images, inception, batch_size=128, progress=True, protocol=DEFAULT_PROTOCOL):
+    """InceptionFeatures.result() of a sequence of uint8 images (an array or an ImageFolder).
 
     Under `jax.distributed` each process reads every process_count-th image, so together they cover
     it once.
     """
     rank, world = jax.process_index(), jax.process_count()
     mine = range(rank, len(images), world)
-    features = InceptionFeatures(inception, batch_size, progress)
+    features = InceptionFeatures(inception, batch_size, progress, protocol)
     chunk = 8 * batch_size * jax.local_device_count()  # images held in host memory at a time
     # the same for every process, as update needs
     calls = -(-len(range(0, len(images), world)) // chunk)
@@ -734,27 +951,78 @@ def image_statistics(images, inception, batch_size=128, progress=True):
 #                        Evaluation entry point and CLI                         #
 #################################################################################
 
-def evaluate(images, ref_stats=None, inception=None, batch_size=128, progress=True):
-    """FID against reference statistics, Inception Score and the statistics of uint8 images
-    (N, H, W, 3).
+IS_SPLIT_SIZE = 5000  # samples per part of the Inception Score in OpenAI's evaluator
 
-    `ref_stats` is (mu, sigma) or the path of a statistics .npz; without it "fid" is None. Under
-    `jax.distributed` each process passes its own images and gets the figures over all of them.
-    Returns {"fid", "inception_score", "inception_score_std", "mu", "sigma", "count"}.
+
+def scores(out, ref=None):
+    """The five numbers of InceptionFeatures.result() `out` against a reference (load_reference's
+    dict, or None): {"protocol", "count", "fid", "sfid", "inception_score", "inception_score_std",
+    "precision", "recall"}, None where the reference (or too few images) does not allow one."""
+    protocol, count = out["protocol"], out["count"]
+    if ref is not None and ref["protocol"] != protocol:
+        raise dit.InputError(
+            f"the reference was made with the {ref['protocol']} protocol, the samples "
+            f"were fed to the Inception with the {protocol} protocol: their figures "
+            f"do not compare")
+    result = {"protocol": protocol, "count": count, "fid": None, "sfid": None,
+              "inception_score": None, "inception_score_std": None, "precision": None,
+              "recall": None}
+    if protocol == "adm":
+        score = inception_score(out["score_logits"], split_size=IS_SPLIT_SIZE)
+    else:  # 10 splits need at least 10 images; a tiny evaluation reports the others
+        score = inception_score(out["score_logits"]) if count >= 10 else (None, None)
+    result["inception_score"], result["inception_score_std"] = score
+    if ref is None:
+        return result
+    result["fid"] = frechet_distance(out["mu"], out["sigma"], ref["mu"], ref["sigma"])
+    if "mu_s" in ref:
+        result["sfid"] = frechet_distance(out["mu_s"], out["sigma_s"], ref["mu_s"],
+                                          ref["sigma_s"])
+    if "pool" in ref and min(count, len(ref["pool"])) > PR_NEIGHBOURS:
+        result["precision"], result["recall"] = precision_recall(ref["pool"], out["pool"])
+    return result
+
+
+def describe(result):
+    """One line of the figures that `result` (scores()) has, each named with its sample count and
+    protocol: "FID-10K (adm) 2.270, sFID-10K 4.60, IS-10K 278.2, Precision-10K 0.83, ..."."""
+    n = f"{result['count'] / 1000:g}K"
+    names = (("fid", "FID", ".3f"), ("sfid", "sFID", ".3f"), ("inception_score", "IS", ".2f"),
+             ("precision", "Precision", ".4f"), ("recall", "Recall", ".4f"))
+    figures = [f"{label}-{n} ({result['protocol']}) {result[key]:{spec}}"
+               for key, label, spec in names if result[key] is not None]
+    return ", ".join(figures) or f"no figures of {result['count']} images ({result['protocol']})"
+
+
+def evaluate(images, ref=None, inception=None, batch_size=128, progress=True, protocol=None):
+    """The five numbers (scores()) of uint8 images (N, H, W, 3) against a reference, with the
+    statistics ("mu", "sigma", "mu_s", "sigma_s") and pool features ("pool") of the images.
+
+    `ref` is the path of a statistics or reference .npz, or load_reference's dict; without it only
+    the Inception Score is computed. The protocol is the reference's (an error if `protocol` names
+    another), else `protocol`, else DEFAULT_PROTOCOL. The features that OpenAI's reference batches
+    keep as images are computed once and kept in the dict. Under `jax.distributed` each process
+    passes its own images and gets the figures over all of them.
     """
     # read first: a bad path fails before the long pass
-    if isinstance(ref_stats, (str, os.PathLike)):
-        ref_stats = load_statistics(ref_stats)
-    features = InceptionFeatures(inception or load_inception(), batch_size, progress)
+    if isinstance(ref, (str, os.PathLike)):
+        ref = load_reference(ref)
+    if ref is not None and protocol not in (None, ref["protocol"]):
+        raise dit.InputError(f"the reference was made with the {ref['protocol']} protocol, not "
+                             f"{protocol}; make one with `python fid.py ref IMAGES OUT.npz "
+                             f"--protocol {protocol}`")
+    protocol = ref["protocol"] if ref is not None else protocol or DEFAULT_PROTOCOL
+    inception = inception or load_inception()
+    if ref is not None and "images" in ref and "pool" not in ref:
+        ref["pool"] = image_statistics(ref.pop("images"), inception, batch_size, progress,
+                                       protocol)["pool"]
+    features = InceptionFeatures(inception, batch_size, progress, protocol)
     with dit.tqdm(total=len(images), unit="img", desc="Inception",
               disable=not features.progress) as bar:
         features.update(images, bar)
     out = features.result()
-    fid = frechet_distance(out["mu"], out["sigma"], *ref_stats) if ref_stats is not None else None
-    # IS over 10 splits needs at least 10 images; a tiny evaluation reports FID only.
-    score, score_std = inception_score(out["score_logits"]) if out["count"] >= 10 else (None, None)
-    return {"fid": fid, "inception_score": score, "inception_score_std": score_std,
-            "mu": out["mu"], "sigma": out["sigma"], "count": out["count"]}
+    return {**scores(out, ref),
+            **{key: out[key] for key in ("mu", "sigma", "mu_s", "sigma_s", "pool")}}
 
 
 def _is_statistics_file(source):
@@ -792,25 +1060,38 @@ def _positive_ints(text):
 
 
 def main(argv=None):
-    parser = dit.OneLineParser(description="FID and Inception Score with pytorch-fid's "
-                                     "InceptionV3, in JAX. A source is a folder of images, an .npz "
-                                     "of uint8 images (arr_0) or, where statistics suffice, an "
-                                     ".npz of statistics (mu, sigma).")
+    parser = dit.OneLineParser(description="FID, sFID, Inception Score, Precision and Recall "
+                                     "with pytorch-fid's InceptionV3, in JAX. A source is a folder "
+                                     "of images, an .npz of uint8 images (arr_0) or, where "
+                                     "statistics suffice, an .npz of statistics (mu, sigma) or a "
+                                     "reference batch (`ref`, or OpenAI's).")
     commands = parser.add_subparsers(dest="command", required=True)
-    stats = commands.add_parser("stats", help="save the FID statistics of a source to OUT.npz")
+    stats = commands.add_parser("stats", help="save the FID statistics of a source to OUT.npz "
+                                "(pytorch-fid's layout, mu and sigma)")
     stats.add_argument("source")
     stats.add_argument("out")
-    distance = commands.add_parser("fid", help="FID between two sources (e.g. samples.npz and "
-                                   "reference stats)")
+    reference = commands.add_parser("ref", help="save a reference batch of a source to OUT.npz "
+                                    "(OpenAI's evaluator's layout: FID and sFID statistics, and "
+                                    "the pool features that Precision and Recall use)")
+    reference.add_argument("source")
+    reference.add_argument("out")
+    reference.add_argument("--pr-images", type=dit.positive_int, default=REF_PR_IMAGES,
+                           help="images whose features are kept for Precision and Recall")
+    distance = commands.add_parser("fid", help="the five numbers of a source against a reference "
+                                   "(e.g. samples.npz and ref.npz); FID alone between statistics")
     distance.add_argument("source1")
     distance.add_argument("source2")
     score = commands.add_parser("is", help="Inception Score of a source of images")
     score.add_argument("source")
-    for command in (stats, distance, score):
+    for command in (stats, reference, distance, score):
         command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, "
                              f"else download)")
         command.add_argument("--batch-size", type=dit.positive_int, default=128,
                              help="images per device per step")
+        command.add_argument("--protocol", choices=PROTOCOLS,
+                             help=f"how images become features (default: a reference's own, "
+                             f"else {DEFAULT_PROTOCOL}): adm is OpenAI's evaluator, which computed "
+                             f"the DiT paper's figures; pytorch-fid is pytorch-fid's")
     bench = commands.add_parser("bench", help="images/s of the feature extractor")
     bench.add_argument("--batch-sizes", type=_positive_ints, default=None,
                        help="per-device batch sizes, comma-separated")
@@ -824,32 +1105,63 @@ def main(argv=None):
         return
     inception = None
 
-    def statistics(source, need_images=False):
+    def features(source, protocol):
         nonlocal inception
-        if not need_images and _is_statistics_file(source):
-            return load_statistics(source) + (None,)
         images = load_images(source)  # bad sources fail before the weights are fetched
         inception = inception or load_inception(args.weights)
-        out = image_statistics(images, inception, args.batch_size)
-        say(f"{source}: {out['count']} images")
-        return out["mu"], out["sigma"], out["score_logits"]
+        out = image_statistics(images, inception, args.batch_size, protocol=protocol)
+        say(f"{source}: {out['count']} images ({protocol})")
+        return out
 
-    if args.command == "stats":
+    protocol = args.protocol or DEFAULT_PROTOCOL
+    if args.command in ("stats", "ref"):
         if _is_statistics_file(args.source):
             raise dit.InputError(
                 f"{args.source} already holds statistics (mu, sigma); give images to "
                 f"compute them from")
-        mu, sigma, _ = statistics(args.source)
+        out = features(args.source, protocol)
         if jax.process_index() == 0:
-            save_statistics(args.out, mu, sigma)
-        say(f"saved mu {mu.shape} and sigma {sigma.shape} to {args.out}")
+            if args.command == "stats":
+                save_statistics(args.out, out["mu"], out["sigma"], protocol)
+            else:
+                out["pool"] = out["pool"][evenly_spaced(out["count"], args.pr_images)]
+                save_reference(args.out, out)
+        say(f"saved the {protocol} {'statistics' if args.command == 'stats' else 'reference'} "
+            f"of {out['count']} images to {args.out}")
     elif args.command == "fid":
-        mu1, sigma1, _ = statistics(args.source1)
-        mu2, sigma2, _ = statistics(args.source2)
-        say(f"FID: {frechet_distance(mu1, sigma1, mu2, sigma2):.4f}")
+        if _is_statistics_file(args.source2):
+            ref = load_reference(args.source2)
+            if args.protocol not in (None, ref["protocol"]):
+                raise dit.InputError(
+                    f"{args.source2} was made with the {ref['protocol']} protocol, "
+                    f"not {args.protocol}")
+            protocol = ref["protocol"]
+        else:
+            out = features(args.source2, protocol)
+            ref = {key: out[key] for key in ("protocol", "mu", "sigma", "mu_s", "sigma_s", "pool")}
+        if _is_statistics_file(args.source1):  # statistics against statistics: FID (and sFID)
+            other = load_reference(args.source1)
+            result = {**dict.fromkeys(("fid", "sfid", "inception_score", "precision",
+                                       "recall")),
+                      "protocol": other["protocol"], "count": 0}
+            if other["protocol"] != ref["protocol"]:
+                raise dit.InputError(
+                    f"{args.source1} was made with the {other['protocol']} protocol, "
+                    f"{args.source2} with {ref['protocol']}: they do not compare")
+            result["fid"] = frechet_distance(other["mu"], other["sigma"], ref["mu"], ref["sigma"])
+            if "mu_s" in other and "mu_s" in ref:
+                result["sfid"] = frechet_distance(other["mu_s"], other["sigma_s"], ref["mu_s"],
+                                                  ref["sigma_s"])
+            say(", ".join(f"{name} ({result['protocol']}) {result[key]:.4f}"
+                          for key, name in (("fid", "FID"), ("sfid", "sFID"))
+                          if result[key] is not None))
+            return
+        say(describe(scores(features(args.source1, protocol), ref)))
     elif args.command == "is":
-        mean, std = inception_score(statistics(args.source, need_images=True)[2])
-        say(f"Inception Score: {mean:.4f} +- {std:.4f} (10 splits)")
+        out = features(args.source, protocol)
+        result = scores(out)
+        say(f"Inception Score-{out['count'] / 1000:g}K ({protocol}): "
+            f"{result['inception_score']:.4f} +- {result['inception_score_std']:.4f}")
 
 
 # As a script; pasted into a notebook cell (no __file__ there), it only defines its functions.

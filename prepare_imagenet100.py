@@ -18,7 +18,11 @@ Output (in OUT, or OUT/val for --split val):
     labels.npy      int64 (N,)
     classes.json    [{"wnid": ..., "name": ...}] in label order (sorted wnids, names from
                     Labels.json)
-    fid_stats.npz   mu, sigma of the Inception features of the cropped images (unless --no-fid)
+    fid_stats.npz   mu, sigma of the Inception features of the cropped images, pytorch-fid's
+                    protocol and layout (unless --no-fid)
+    fid_ref.npz     the same images as a reference batch of OpenAI's evaluator (the adm
+                    protocol): FID and sFID statistics and the pool features of 10,000 of them for
+                    Precision and Recall (`python fid.py ref`'s layout; unless --no-fid)
     manifest.json   settings, counts, skipped files and why, warnings, finished chunks, timing
 
 The work is done in chunks; an interrupted run started again with the same arguments skips the
@@ -283,8 +287,9 @@ def main(argv=None):
 
     # One row per file, broken ones included (they are found while decoding); the final copy drops
     # those.
-    partials = {name: (dtype, row_shape)} | ({} if args.no_fid
-                                             else {"inception": (np.float32, (2048,))})
+    # "inception": pytorch-fid's pool features; "adm": the adm protocol's pool and spatial ones
+    partials = {name: (dtype, row_shape)} | ({} if args.no_fid else {
+        "inception": (np.float32, (2048,)), "adm": (np.float32, (2048 + fid.SPATIAL_DIM,))})
     paths = {k: os.path.join(out, f"{k}.partial.npy") for k in partials}
     if not manifest or not all(os.path.exists(p) for p in paths.values()):
         manifest = {"settings": settings, "chunks_done": {}, "seconds": 0.0}
@@ -306,9 +311,9 @@ def main(argv=None):
 
 def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path):
     """Fill the partial arrays chunk by chunk: arrays[name] with pixels or latents,
-    arrays["inception"] with pool3 features. Each finished chunk is recorded in the manifest with
-    its unreadable files, after its rows are flushed to disk; chunks already recorded are
-    skipped."""
+    arrays["inception"] and arrays["adm"] with the features of both protocols. Each finished chunk
+    is recorded in the manifest with its unreadable files, after its rows are flushed to disk;
+    chunks already recorded are skipped."""
     devices = jax.local_devices()
     mesh = Mesh(np.array(devices), ("data",))
     # a whole number of images per device
@@ -319,9 +324,15 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
         steps.append((sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh),
                       arrays[name]))
     if inception is not None:
-        pool3 = lambda net, images: net(images)[0]  # (B, 2048)
-        steps.append((sharded_apply(inception, pool3, (batch, size, size, 3), mesh),
-                      arrays["inception"]))
+        pool3 = lambda net, images: net(images, "pytorch-fid")[0]  # (B, 2048)
+
+        def adm(net, images):  # (B, 2048 + 17 * 17 * 7): pool and spatial features side by side
+            pool, _, spatial = net(images, "adm")
+            return jnp.concatenate([pool, spatial], axis=1)
+
+        for fn, key in ((pool3, "inception"), (adm, "adm")):
+            steps.append((sharded_apply(inception, fn, (batch, size, size, 3), mesh),
+                          arrays[key]))
     compile_s = time.perf_counter() - t0
 
     todo = [(c, (c * args.chunk_size, min((c + 1) * args.chunk_size, len(files))))
@@ -386,6 +397,16 @@ def write_outputs(out, name, files, labels, classes, names, arrays, manifest, ma
         for i in range(0, len(kept), 4096):
             stats.update(arrays["inception"][kept[i:i + 4096]])
         fid.save_statistics(os.path.join(out, "fid_stats.npz"), *stats.mu_sigma())
+        pool, spatial = fid.FeatureStats(2048), fid.FeatureStats(fid.SPATIAL_DIM)
+        for i in range(0, len(kept), 4096):
+            rows = arrays["adm"][kept[i:i + 4096]]
+            pool.update(rows[:, :2048])
+            spatial.update(rows[:, 2048:])
+        (mu, sigma), (mu_s, sigma_s) = pool.mu_sigma(), spatial.mu_sigma()
+        keep = kept[fid.evenly_spaced(len(kept), fid.REF_PR_IMAGES)]
+        fid.save_reference(os.path.join(out, "fid_ref.npz"),
+                           {"mu": mu, "sigma": sigma, "mu_s": mu_s, "sigma_s": sigma_s,
+                            "pool": arrays["adm"][keep, :2048], "protocol": "adm"})
 
     counts = np.bincount(labels[kept], minlength=len(classes))
     manifest.update(

@@ -2353,7 +2353,8 @@ def test_bench_reports_figures(tmp_path):
     [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
     assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
     seconds = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+) s\b", fid_line)}
-    phases = [seconds["sample"], seconds["decode"], seconds["Inception"]]
+    phases = [seconds["sample"], seconds["decode"], seconds["Inception"],
+              seconds["precision_recall"]]
     assert min(phases) > 0 and sum(phases) <= seconds["total"] + 0.002
     assert seconds["total"] - sum(phases) < 0.1 * seconds["total"]
     images_per_s = float(re.search(r"([\d.]+) images/s", fid_line).group(1))
@@ -2420,7 +2421,23 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
     arrays[table] = arrays[table][:-1]  # no null row
     np.savez(tmp_path / "no_null.npz", __meta__=np.array(json.dumps(meta)), **arrays)
     with pytest.raises(dit.InputError, match="no null label to guide with; use --cfg-scale 1"):
-        dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--cfg-scale", "1.5"])
+        dit.main(["sample", "--ckpt", str(tmp_path / "no_null.npz"), "--fid", "4", "--cfg-scale",
+                  "1,1.5"])
+    with pytest.raises(dit.InputError, match="several --cfg-scale values.*give --fid N"):
+        dit.main(["sample", "--ckpt", ckpt, "--cfg-scale", "1,2"])
+
+
+def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, straight_run):
+    """`sample --fid N --cfg-scale 1.5,4` samples once per scale from the same noise, so each set is
+    the one that scale alone gives; without --cfg-scale, FID samples use FID_CFG_SCALE (1.5), not
+    the grids' 4."""
+    ckpt = dit.list_checkpoints(straight_run)[-1]
+    common = ["sample", "--ckpt", ckpt, "--fid", "4", "--batch-size", "4", "--steps", "2"]
+    dit.main(common + ["--cfg-scale", "1.5,4", "--out", str(tmp_path / "sweep.npz")])
+    dit.main(common + ["--out", str(tmp_path / "default.npz")])
+    load = lambda name: np.load(tmp_path / name)["arr_0"]  # noqa: E731
+    np.testing.assert_array_equal(load("default.npz"), load("sweep_cfg1.5.npz"))
+    assert (load("sweep_cfg4.npz") != load("default.npz")).any()
 
 
 #################################################################################
@@ -2887,7 +2904,8 @@ def test_fid_features_match_pytorch_fid_set32(inception):
     n = 7  # a subset keeps the test short on a CPU
     images, pool, logits = ref["set32"][:n], ref["set32_pool3"][:n], ref["set32_logits"][:n]
     # 3 steps, the last one padded
-    features = fid.InceptionFeatures(inception, batch_size=3, progress=False)
+    features = fid.InceptionFeatures(inception, batch_size=3, progress=False,
+                                     protocol="pytorch-fid")
     features.update(images)
     with pytest.warns(UserWarning, match="singular"):
         out = features.result()
@@ -2905,8 +2923,9 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception):
     # No reference statistics: a 2048-d FID of 10 images would spend half a minute in sqrtm of a
     # singular matrix.
     with pytest.warns(UserWarning, match="singular"):
-        out = fid.evaluate(ref["set32"][:n], inception=inception, batch_size=3, progress=False)
-    assert out["count"] == n and out["fid"] is None
+        out = fid.evaluate(ref["set32"][:n], inception=inception, batch_size=3, progress=False,
+                           protocol="pytorch-fid")
+    assert out["count"] == n and out["fid"] is None and out["protocol"] == "pytorch-fid"
     assert (rel_err(out["mu"], pool.mean(axis=0)) < 1e-4
             and rel_err(out["sigma"], np.cov(pool, rowvar=False)) < 1e-4)
     # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's
@@ -2928,7 +2947,7 @@ import warnings, numpy as np, jax, fid
 assert jax.local_device_count() == 2
 warnings.simplefilter("ignore")
 features = fid.InceptionFeatures(fid.load_inception({weights!r}, cache_dir={str(tmp_path)!r}),
-                                 2, progress=False)
+                                 2, progress=False, protocol="pytorch-fid")
 features.update(np.load({reference!r})["set32"][:5])
 np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
 """
@@ -2944,7 +2963,7 @@ np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
 def test_fid_inception_matches_pytorch_fid(inception, name):
     ref = np.load(fixture("inception_reference.npz"))
     images = ref[name][:6]  # a subset keeps the test short on a CPU
-    pool, logits = nnx.jit(lambda model, x: model(x))(inception, images)
+    pool, logits, _ = nnx.jit(lambda model, x: model(x))(inception, images)
     assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
     assert rel_err(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
     assert rel_err(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
@@ -3057,7 +3076,7 @@ def test_fid_command_line(tmp_path, monkeypatch, capsys):
     fid.save_statistics(str(tmp_path / "a.npz"), ref["mu1"], ref["sigma1"])
     fid.save_statistics(str(tmp_path / "b.npz"), ref["mu2"], ref["sigma2"])
     fid.main(["fid", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
-    assert f"FID: {float(ref['fid']):.4f}" in capsys.readouterr().out
+    assert f"FID (pytorch-fid) {float(ref['fid']):.4f}" in capsys.readouterr().out
     # Statistics of a folder of PNGs (lossless) equal those of pytorch-fid's features of the same
     # images.
     folder = tmp_path / "images"
@@ -3067,11 +3086,114 @@ def test_fid_command_line(tmp_path, monkeypatch, capsys):
         Image.fromarray(image).save(folder / f"{i}.png")
     with pytest.warns(UserWarning):
         fid.main(["stats", str(folder), str(tmp_path / "out.npz"), "--batch-size", "3",
-                  "--weights", fixture("inception_fid_random.pth")])
+                  "--weights", fixture("inception_fid_random.pth"), "--protocol", "pytorch-fid"])
     mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
     pool = ref["set32_pool3"][:n].astype(np.float64)
     assert (rel_err(mu, pool.mean(axis=0)) < 1e-4
             and rel_err(sigma, np.cov(pool, rowvar=False)) < 1e-4)
+
+
+def test_fid_adm_resize_matches_tensorflow():
+    # TensorFlow 1's ResizeBilinear (the Inception graph's node) as matrices, from TF itself.
+    ref = np.load(fixture("adm_reference.npz"))
+    for size in (32, 256, 384):  # up 9x, up a little, down
+        np.testing.assert_allclose(fid.resize_matrix(size, 299, half_pixel=False),
+                                   ref[f"resize_{size}"], atol=1e-6)
+
+
+def test_fid_adm_features_match_evaluator_graph(inception):
+    # torch-fidelity's TF-1-faithful port of the evaluator's graph on the same weights: pool
+    # features, mixed_6/conv's sFID features and the logits without bias of the Inception Score.
+    # (The resize, the one step that depends on the image size, is tested at 32, 256 and 384.)
+    name = "set32"
+    ref = np.load(fixture("adm_reference.npz"))
+    n = 4  # one batch, the shape test_fid_reference_batches compiles too
+    features = fid.InceptionFeatures(inception, batch_size=n, progress=False, protocol="adm")
+    features.update(np.load(fixture("inception_reference.npz"))[name][:n])
+    with pytest.warns(UserWarning, match="singular"):
+        out = features.result()
+    spatial = ref[f"{name}_spatial"][:n].astype(np.float64)  # (n, 17 * 17 * 7)
+    assert rel_err(out["pool"], ref[f"{name}_pool"][:n]) < 1e-4
+    assert rel_err(out["score_logits"], ref[f"{name}_score_logits"][:n]) < 1e-4
+    assert (rel_err(out["mu_s"], spatial.mean(axis=0)) < 1e-4
+            and rel_err(out["sigma_s"], np.cov(spatial, rowvar=False)) < 1e-4)
+
+
+def test_fid_adm_scores_match_evaluator(monkeypatch):
+    """The evaluator's own Inception Score, FID/sFID statistics and Precision/Recall code on the
+    reference features."""
+    ref = np.load(fixture("adm_reference.npz"))
+    pool = np.concatenate([ref["set32_pool"], ref["set256_pool"], ref["set384_pool"]])
+    weight = dit.load_torch(fixture("inception_fid_random.pth"))["fc.weight"]  # (1008, 2048)
+    for split_size in (5000, 32):  # one part; parts of 32, 32 and 16
+        score = fid.inception_score(pool.astype(np.float64) @ weight.T, split_size=split_size)[0]
+        expected = float(ref[f"is_{split_size}"])
+        # random weights put the score near 1; the evaluator's softmax is float32
+        assert expected > 1.01 and abs(score - expected) < 1e-4 * (expected - 1)
+    dims = int(ref["fid_dims"])
+    for key, feature in (("fid", "pool"), ("sfid", "spatial")):
+        stats = []
+        for names in (["set32"], ["set256", "set384"]):
+            accumulator = fid.FeatureStats(dims)
+            accumulator.update(np.concatenate([ref[f"{n}_{feature}"][:, :dims] for n in names]))
+            stats += accumulator.mu_sigma()
+        assert abs(fid.frechet_distance(*stats) - ref[key]) / ref[key] < 1e-6
+    cases = {"a": (ref["set256_pool"], ref["set32_pool"]),
+             "b": (np.concatenate([ref["set256_pool"], ref["set384_pool"]]), ref["set32_pool"])}
+    cases["c"] = tuple(x * np.float32(ref["pr_c_scale"]) for x in cases["b"])  # float32 fallback
+    for case, (refs, samples) in cases.items():
+        assert fid.precision_recall(refs, samples) == tuple(ref[f"pr_{case}"])
+        for features, radii in ((refs, ref[f"pr_{case}_radii_ref"]),
+                                (samples, ref[f"pr_{case}_radii_samples"])):
+            # TensorFlow's CPU kernel sums the squared norms in another order, so a norm may differ
+            # by a float16 step (by float32 rounding in the fallback), and a distance
+            # (norm - 2 dot + norm) by a few such steps of the norms
+            norm = (features.astype(np.float64) ** 2).sum(axis=1).max()
+            atol = 1e-5 * norm if case == "c" else 4 * float(np.spacing(np.float16(norm)))
+            np.testing.assert_allclose(fid.manifold_radii(features), radii, rtol=0, atol=atol)
+    # Blocks smaller than the sets: the same figures without the whole distance matrix at once.
+    monkeypatch.setattr(fid, "PR_BLOCK", 10)
+    assert fid.precision_recall(*cases["b"]) == tuple(ref["pr_b"])
+
+
+def test_fid_reference_batches(tmp_path, monkeypatch, inception):
+    """`fid.py ref` writes the evaluator's layout; OpenAI's layout (images in arr_0) loads too, and
+    its images' pool features are computed for Precision and Recall."""
+    adm = np.load(fixture("adm_reference.npz"))
+    images = np.load(fixture("inception_reference.npz"))["set32"]
+    n = 4
+    features = fid.InceptionFeatures(inception, batch_size=n, progress=False, protocol="adm")
+    features.update(images[:n])
+    with pytest.warns(UserWarning, match="singular"):
+        out = features.result()
+    out["pool"] = out["pool"][fid.evenly_spaced(n, 3)]
+    fid.save_reference(str(tmp_path / "ref.npz"), out)
+    ref = fid.load_reference(str(tmp_path / "ref.npz"))
+    assert ref["protocol"] == "adm" and ref["pool"].shape == (3, 2048)
+    assert rel_err(ref["pool"], adm["set32_pool"][[0, 2, 3]]) < 1e-4  # evenly spaced 3 of 4
+    assert rel_err(ref["mu_s"], adm["set32_spatial"][:n].astype(np.float64).mean(axis=0)) < 1e-4
+    assert ref["sigma_s"].shape == (fid.SPATIAL_DIM, fid.SPATIAL_DIM)
+    # OpenAI's layout: mu, sigma, mu_s, sigma_s and the images themselves; no protocol named.
+    np.savez(tmp_path / "openai.npz", arr_0=images[:n], mu=ref["mu"].astype(np.float32),
+             sigma=ref["sigma"], mu_s=ref["mu_s"].astype(np.float32), sigma_s=ref["sigma_s"])
+    openai = fid.load_reference(str(tmp_path / "openai.npz"))
+    assert openai["protocol"] == "adm" and "pool" not in openai and len(openai["images"]) == n
+    # A 2048-d Frechet distance of a few images is a slow square root of a singular matrix, and is
+    # tested above: here only which statistics meet.
+    met = []
+    monkeypatch.setattr(fid, "frechet_distance", lambda *stats: met.append(stats[0].shape) or 1.0)
+    with pytest.warns(UserWarning, match="singular"):
+        result = fid.evaluate(images[n:2 * n], openai, inception, batch_size=n, progress=False)
+    assert met == [(2048,), (fid.SPATIAL_DIM,)]
+    assert rel_err(openai["pool"], adm["set32_pool"][:n]) < 1e-4
+    assert result["protocol"] == "adm" and result["count"] == n
+    assert result["precision"] is not None and result["recall"] is not None
+    assert fid.describe(result).startswith("FID-0.004K (adm) 1.000, sFID-0.004K (adm) 1.000, "
+                                           "IS-0.004K (adm) ")
+    # A pytorch-fid reference does not score adm features.
+    fid.save_statistics(str(tmp_path / "pt.npz"), ref["mu"], ref["sigma"])
+    with pytest.raises(dit.InputError, match="pytorch-fid protocol, not adm"):
+        fid.evaluate(images[:2], str(tmp_path / "pt.npz"), inception, protocol="adm")
 
 
 #################################################################################
@@ -3224,10 +3346,19 @@ def test_prepare_fid_statistics(tmp_path, monkeypatch):
     images = np.load(tmp_path / "out" / "images.npy")
     with pytest.warns(UserWarning, match="not pytorch-fid's official"):
         inception = fid.load_inception(weights)
-    pool3 = np.asarray(nnx.jit(lambda net, x: net(x)[0])(inception, images), np.float64)
+    pool3 = np.asarray(nnx.jit(lambda net, x: net(x, "pytorch-fid")[0])(inception, images),
+                       np.float64)
     assert rel_err(stats["mu"], pool3.mean(0)) < 1e-5
     assert rel_err(stats["sigma"], np.cov(pool3, rowvar=False)) < 1e-4
+    # Beside them, the adm protocol's reference batch of the same images.
+    ref = fid.load_reference(str(tmp_path / "out" / "fid_ref.npz"))
+    pool, _, spatial = (np.asarray(a, np.float64) for a in
+                        nnx.jit(lambda net, x: net(x, "adm"))(inception, images))
+    assert ref["protocol"] == "adm" and rel_err(ref["pool"], pool) < 1e-5
+    assert rel_err(ref["mu"], pool.mean(0)) < 1e-5 and rel_err(ref["mu_s"], spatial.mean(0)) < 1e-5
+    assert rel_err(ref["sigma_s"], np.cov(spatial, rowvar=False)) < 1e-4
     assert not (tmp_path / "out" / "inception.partial.npy").exists()
+    assert not (tmp_path / "out" / "adm.partial.npy").exists()
 
 
 #################################################################################
