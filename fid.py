@@ -25,8 +25,8 @@ folders and .npz files, `InceptionFeatures` to stream batches as they are genera
 import concurrent.futures
 import functools
 import os
-import sys
 import struct
+import sys
 import tempfile
 import time
 import warnings
