@@ -60,6 +60,12 @@ from dit import UnsafePickleError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# Tests that take seconds each (a process, a kernel, a training run, a large network) are marked
+# slow: `python -m pytest -q test_dit.py -m "not slow"` runs the rest, a quick subset for an edit
+# loop. The mark is not registered (the project has no conftest.py), so pytest's warning is quiet.
+warnings.filterwarnings("ignore", "Unknown pytest.mark.slow")
+slow = pytest.mark.slow
+
 # The commands that the tests run as processes would each compile their functions anew: a
 # compilation cache shared by the session's processes compiles each function once (a short
 # training run: 21 s without it, 7 s with it). The test process read JAX's settings at import and
@@ -220,6 +226,7 @@ def reference():
 #################################################################################
 
 
+@slow
 def test_parameter_counts_equal_the_official_ones():
     """The official counts (32,963,360 for DiT-S/2 and 675,129,632 for DiT-XL/2) include the fixed
     position table, which PyTorch stores as a frozen parameter. XL/2 is never allocated."""
@@ -230,6 +237,7 @@ def test_parameter_counts_equal_the_official_ones():
         assert dit.count_params(model) + T * cfg.hidden_size == official, name
 
 
+@slow
 def test_dit_plus_stays_within_the_course_budget():
     """DiT+ at S/2 on 256x256 images stays within 33M parameters (the official count's convention,
     position table included). Counted by hand: SwiGLU's three matrices of width 2/3 * 4D replace
@@ -249,6 +257,7 @@ def test_dit_plus_stays_within_the_course_budget():
     assert total(**dit.ARCHS["dit+"]) <= 33_000_000
 
 
+@slow
 def test_any_input_size_channels_and_unconditional():
     cfg = dit.DiTConfig(input_size=12, patch_size=4, in_channels=1, hidden_size=32, depth=1,
                         num_heads=2, num_classes=0, learn_sigma=False)
@@ -289,6 +298,7 @@ def test_label_dropout_uses_the_null_label(reference):
 #################################################################################
 
 
+@slow
 def test_model_output_matches_official(reference):
     ref, _, model = reference
     out = model(nhwc(ref["x"]), jnp.asarray(ref["t"]), jnp.asarray(ref["y"]))
@@ -324,6 +334,7 @@ def test_cfg_all_channels_and_interval(reference):
     np.testing.assert_allclose(inside, every, rtol=1e-6, atol=1e-6)
 
 
+@slow
 def test_official_initialisation():
     cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=2,
                         num_heads=4, num_classes=10)
@@ -346,6 +357,7 @@ def test_official_initialisation():
     assert model.y_embedder.embedding_table.embedding[...].shape == (11, 64)  # the extra null label
 
 
+@slow
 def test_remat_and_16_bit_floats_match_fp32(reference):
     ref, cfg, model = reference
     x, t, y = nhwc(ref["x"]), jnp.asarray(ref["t"]), jnp.asarray(ref["y"])
@@ -404,6 +416,7 @@ def test_rope_depends_on_relative_positions_only():
     assert abs(rq[pos(0, 0)] @ rk[pos(1, 0)] - rq[pos(0, 0)] @ rk[pos(2, 0)]) > 1e-3
 
 
+@slow
 def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
     attn = dit.DiTPlusAttention(32, 4, qk_norm=True, rope_grid=None, dtype=jnp.float32,
                                 rngs=nnx.Rngs(0))
@@ -417,6 +430,7 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
         layer.qkv.kernel[...] = w
 
 
+@slow
 def test_dit_plus_trains_and_each_switch_changes_the_model():
     """DiT+ trains in a jitted step (the validation loss of the batch, at fixed noise and times,
     falls), and each of its switches changes the function the model computes: with the same
@@ -486,6 +500,7 @@ def test_cudnn_attention_matches_xla():
     assert rel_err(np.asarray(fused, np.float32), np.asarray(plain, np.float32)) < 1e-2
 
 
+@slow
 def test_float32_means_float32_matrix_products():
     """A float32 model asks XLA for full-precision products (else TF32 on NVIDIA GPUs, one bfloat16
     pass on TPUs), in the forward pass and in the backward; a bfloat16 model leaves the default."""
@@ -514,6 +529,7 @@ def test_float32_means_float32_matrix_products():
 
 
 
+@slow
 def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     """The memory remat saves: the residuals jax.vjp holds for the backward pass (the leaves of the
     function it returns). Without remat every block keeps its attention probabilities and the inputs
@@ -636,6 +652,7 @@ def test_respaced_chain_keeps_alpha_bar(respacing):
     np.testing.assert_allclose(diffusion.alphas_cumprod, kept, rtol=1e-12)
 
 
+@slow
 def test_p_mean_variance_mathematics():
     """Given the true noise, the x_0 prediction inverts q(x_t | x_0); the variance output -1 / +1
     selects the posterior variance / beta_t (Nichol & Dhariwal eq. 15); the mean is the posterior
@@ -662,6 +679,7 @@ def test_p_mean_variance_mathematics():
     np.testing.assert_allclose(out["mean"], mean, atol=2e-4)
 
 
+@slow
 def test_vb_trains_only_the_variance():
     """The stop-gradient on the mean: d vb / d eps = 0 and d mse / d variance = 0 (official
     `frozen_out`)."""
@@ -801,6 +819,7 @@ def test_rf_trajectory(gaussian_noise):
 
 
 @pytest.mark.parametrize("sampling,loc,scale", [("logit_normal", 0.0, 1.0), ("uniform", 0.0, 1.0)])
+@slow
 def test_rf_loss_of_exact_field(sampling, loc, scale):
     """The exact field's expected loss is E_t[Var(eps - x0 | x_t)] =
     E_t[1 + S^2 - Cov^2 / Var(x_t)], and any other field does worse."""
@@ -929,6 +948,7 @@ def test_loss_scaling_skips_overflows_and_adapts():
         assert ("loss_scale" in state) == scaled, dtype
 
 
+@slow
 def test_training_loss_is_logged_by_noise_level():
     """The step sums the per-sample losses in LOSS_BINS equal ranges of t in [0, 1)."""
     time = jnp.array([0.0, 0.1, 0.3, 0.6, 0.99, 0.74, 0.26, 0.2])
@@ -953,6 +973,7 @@ def test_training_loss_is_logged_by_noise_level():
 #################################################################################
 
 
+@slow
 def test_samplers_run_every_architecture_and_remat_policy():
     """A model trained with --remat or with every switch of DiT+ on samples under jax.lax.scan
     (jitted, with guidance), and recomputation does not change what the model computes."""
@@ -975,6 +996,7 @@ def test_samplers_run_every_architecture_and_remat_policy():
         np.testing.assert_allclose(other, samples[0], rtol=1e-5, atol=1e-5)
 
 
+@slow
 def test_sampling_errors_are_clear(tmp_path):
     cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=1, hidden_size=16, depth=1,
                         num_heads=2, num_classes=3, class_dropout_prob=0.0, learn_sigma=False)
@@ -1087,6 +1109,7 @@ def test_safetensors_dtypes_and_truncation(tmp_path):
 #################################################################################
 
 
+@slow
 def test_vae_matches_diffusers():
     """Posterior mean, log-variance and decode(mean) of the small random VAE equal diffusers'
     (README: 1e-5)."""
@@ -1144,6 +1167,7 @@ def test_float32_vae_multiplies_in_float32_on_every_backend():
             assert all(p is None and t == jnp.bfloat16 for _, p, t in decode + encode), decode
 
 
+@slow
 def test_bfloat16_vae_decodes_close_to_float32():
     ref = np.load(fixture("vae_reference.npz"))
     decode = nnx.jit(lambda vae, z: vae.decode(z))
@@ -1154,6 +1178,7 @@ def test_bfloat16_vae_decodes_close_to_float32():
     assert 1e-3 < rel_err(half, exact) < 5e-2
 
 
+@slow
 def test_vae_full_size_keys_and_shapes():
     """The default (SD kl-f8) configuration has exactly the parameters of the released VAE, as named
     by diffusers."""
@@ -1827,6 +1852,7 @@ def records(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
+@slow
 def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     """6 uninterrupted steps == 3 steps, a kill, 3 resumed steps, bit for bit."""
     killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6, VALIDATION),
@@ -1870,6 +1896,7 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [4, 5, 6]
 
 
+@slow
 def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data,
                                                                straight_run):
     run_dir = tmp_path / "crashed"
@@ -1973,6 +2000,7 @@ dit.Loader.batch = batch_and_signal
 """
 
 
+@slow
 def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_data, straight_run):
     """Ctrl-C (SIGINT) during a run's first steps ends it after a whole step, with a checkpoint of
     that step and one line that says so; the same command then ends as the uninterrupted run, bit
@@ -2041,6 +2069,7 @@ def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text):
 
 
 @pytest.mark.parametrize("devices, fsdp", [(4, True), (8, False)])
+@slow
 def test_more_devices_equal_one(tmp_path, folder_data, straight_run, devices, fsdp):
     """4 devices sharing the batch and, with --fsdp, the parameters and optimizer state == 1 device;
     so do the 8 devices of a TPU v3-8 sharing the batch, one sample each (sharing the batch is also
@@ -2098,6 +2127,7 @@ def two_hosts(tmp_path_factory, folder_data):
     return run_dir, run_two_hosts(tmp_path, folder_data, [run_dir, run_dir], 3)[0]
 
 
+@slow
 def test_two_hosts_equal_one(two_hosts, straight_run):
     """2 processes x 2 devices == 1 process x 1 device."""
     run_dir, out = two_hosts
@@ -2105,6 +2135,7 @@ def test_two_hosts_equal_one(two_hosts, straight_run):
     assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
 
 
+@slow
 def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, folder_data,
                                                                      two_hosts):
     """Each process's run directory is a folder of its own, as on the local disks of a TPU pod
@@ -2148,6 +2179,7 @@ def executions(trace_dir, function):
     return sum(not any(a < start <= b for a, b in spans) for start, _ in spans)
 
 
+@slow
 def test_loss_falls_on_mnist(tmp_path):
     """The demo's loss falls within 60 steps; on the way, --profile traces steps 11 to 15."""
     run_dit(tmp_path, ["--dataset", "mnist", "--data-dir", data("mnist"), "--size", "T", "--patch",
@@ -2170,6 +2202,7 @@ def test_loss_falls_on_mnist(tmp_path):
     assert (images[..., :1] == images).all()
 
 
+@slow
 def test_loss_falls_on_cifar10_photos(tmp_path):
     root = tmp_path / "cifar"
     with tarfile.open(data("cifar10-jpeg.tar.gz")) as tar:
@@ -2193,6 +2226,7 @@ def test_loss_falls_on_cifar10_photos(tmp_path):
     assert meta["model"]["num_classes"] == 10 and meta["model"]["in_channels"] == 3
 
 
+@slow
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, folder_data):
     # From step 5 on, the data holds an infinity: the loss of step 5 is the first that is not
     # finite.
@@ -2213,18 +2247,21 @@ dit.Loader.batch = poisoned
     assert all(np.isfinite(v).all() for v in arrays.values())
 
 
+@slow
 def test_batch_that_does_not_split_over_the_devices_is_refused(tmp_path, folder_data):
     out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 2, ["--batch-size", "6"]),
                   devices=4, check=False)
     assert out.returncode != 0 and "does not split over 4 devices" in out.stderr
 
 
+@slow
 def test_run_dir_of_another_run_is_refused(tmp_path, folder_data, straight_run):
     out = run_dit(tmp_path, train_args(folder_data, straight_run, 2, ["--objective", "ddpm"]),
                   check=False)
     assert out.returncode != 0 and "holds another run" in out.stderr and "objective" in out.stderr
 
 
+@slow
 def test_checkpoint_of_another_model_size_is_refused(straight_run):
     meta, arrays = final_state(straight_run)
     cfg = dit.DiTConfig(**{**meta["model"], "hidden_size": 64, "num_heads": 2})
@@ -2234,12 +2271,14 @@ def test_checkpoint_of_another_model_size_is_refused(straight_run):
         dit.restore_state(arrays, state, shardings, "that checkpoint")
 
 
+@slow
 def test_missing_dataset_says_how_to_prepare_it(tmp_path):
     out = run_dit(tmp_path, ["--dataset", "imagenet100", "--data-dir", str(tmp_path / "nowhere"),
                              "--run-dir", str(tmp_path / "run")], check=False)
     assert out.returncode != 0 and "prepare_imagenet100.py" in out.stderr
 
 
+@slow
 def test_dataset_that_changed_since_the_run_began_is_refused(tmp_path, folder_data):
     """The data order, and so an exact resume, depends on the dataset's size."""
     grown = tmp_path / "grown"
@@ -2263,6 +2302,7 @@ def test_damaged_checkpoint_names_itself_and_the_way_out(tmp_path):
 #################################################################################
 
 
+@slow
 def test_export_sample_and_fid_samples(tmp_path, folder_data):
     run_dir = tmp_path / "run"
     run_dit(tmp_path, train_args(folder_data, run_dir, 3))
@@ -2290,6 +2330,7 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
         assert np.bincount(f["labels"]).tolist() == [5, 5]
 
 
+@slow
 def test_sampler_decodes_each_devices_share_in_chunks(tmp_path):
     """Over 2 devices, 7 latents each, 3 at a time (two chunks and a remainder of 1): the images of
     decoding the whole batch at once. The decoder's working memory (XLA's count) stays that of one
@@ -2334,6 +2375,7 @@ print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n
 #################################################################################
 
 
+@slow
 def test_bench_reports_figures(tmp_path):
     """The figures bench prints agree with each other: images/s is the batch over the time of a
     step, FID-N's phases add up to its total, N over the total is its images/s; the traces hold
@@ -2386,6 +2428,7 @@ def test_flops_match_the_paper():
     (["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"],
      r"export takes a training checkpoint \(.npz\)"),
 ])
+@slow
 def test_command_line_mistakes_are_named(tmp_path, folder_data, argv, message):
     """A notebook calling main() gets an InputError with the message; the command line prints it
     alone (dit.run_cli)."""
@@ -2408,6 +2451,7 @@ def test_counts_out_of_range_are_refused_by_the_parser(argv, least):
         dit.main(argv)
 
 
+@slow
 def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_run):
     """A rectified-flow model has no DDPM samplers, and a model trained without label dropout no
     null label to guide with: both are refused before sampling."""
@@ -2427,6 +2471,7 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
         dit.main(["sample", "--ckpt", ckpt, "--cfg-scale", "1,2"])
 
 
+@slow
 def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, straight_run):
     """`sample --fid N --cfg-scale 1.5,4` samples once per scale from the same noise, so each set is
     the one that scale alone gives; without --cfg-scale, FID samples use FID_CFG_SCALE (1.5), not
@@ -2517,6 +2562,7 @@ def readme_cells():
             for cell in re.findall(r"```python\n(.*?)```", section, re.S)}
 
 
+@slow
 def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_run):
     """The README's notebook cells, with fid.py's and dit.py's text pasted into cells and the
     test's own settings: training stopped by the stop button ends with a checkpoint and one line;
@@ -2567,6 +2613,7 @@ def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_
     assert kernel.run("print(1 + 1)") == ("ok", [("stdout", "2\n")])
 
 
+@slow
 def test_notebook_dit_pasted_alone(kernel, tmp_path, folder_data):
     """dit.py alone defines everything; a run that needs FID says in one line, before training,
     that it needs fid.py."""
@@ -2581,6 +2628,7 @@ def test_notebook_dit_pasted_alone(kernel, tmp_path, folder_data):
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+@slow
 def test_notebook_imported(tmp_path, folder_data):
     """Both files beside the notebook, imported: dit.main trains; an error of the user's own cell
     keeps its traceback."""
@@ -2899,6 +2947,7 @@ def test_fid_resize_matches_torch_formula():
                                atol=1e-6)
 
 
+@slow
 def test_fid_features_match_pytorch_fid_set32(inception):
     ref = np.load(fixture("inception_reference.npz"))
     n = 7  # a subset keeps the test short on a CPU
@@ -2915,6 +2964,7 @@ def test_fid_features_match_pytorch_fid_set32(inception):
     assert rel_err(out["sigma"], np.cov(pool.astype(np.float64), rowvar=False)) < 1e-4
 
 
+@slow
 def test_fid_evaluate_matches_pytorch_fid_features(inception):
     ref = np.load(fixture("inception_reference.npz"))
     # two images in each of the Inception Score's 10 splits (with one each, the score is exactly 1)
@@ -2937,6 +2987,7 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception):
             and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1))
 
 
+@slow
 def test_fid_features_sharded_over_two_devices(tmp_path):
     # Two simulated CPU devices in a fresh process: 5 images at 2 per device make a full step of 4,
     # then a step holding 1 image and 3 of padding spread over both devices; the padding must be
@@ -2960,6 +3011,7 @@ np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
 
 
 @pytest.mark.parametrize("name", ["set256", "set384"])
+@slow
 def test_fid_inception_matches_pytorch_fid(inception, name):
     ref = np.load(fixture("inception_reference.npz"))
     images = ref[name][:6]  # a subset keeps the test short on a CPU
@@ -2969,6 +3021,7 @@ def test_fid_inception_matches_pytorch_fid(inception, name):
     assert rel_err(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
 
 
+@slow
 def test_fid_inception_multiplies_in_float32_on_every_backend():
     """Every product of the InceptionV3 asks XLA for HIGHEST precision, so that FID does not depend
     on the device (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs otherwise)."""
@@ -3039,6 +3092,7 @@ def test_fid_statistics_files(tmp_path):
         fid.load_statistics(str(tmp_path / "images.npz"))
 
 
+@slow
 def test_fid_load_inception_rejects_wrong_weights(tmp_path):
     # No "not the official weights" warning before the error: a failed run ends in its one line.
     with warnings.catch_warnings(record=True) as caught:
@@ -3070,6 +3124,7 @@ def test_fid_image_inputs_are_checked(tmp_path, inception):
         fid.load_images(str(tmp_path / "stats.npz"))
 
 
+@slow
 def test_fid_command_line(tmp_path, monkeypatch, capsys):
     ref = np.load(fixture("inception_reference.npz"))
     monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
@@ -3101,6 +3156,7 @@ def test_fid_adm_resize_matches_tensorflow():
                                    ref[f"resize_{size}"], atol=1e-6)
 
 
+@slow
 def test_fid_adm_features_match_evaluator_graph(inception):
     # torch-fidelity's TF-1-faithful port of the evaluator's graph on the same weights: pool
     # features, mixed_6/conv's sFID features and the logits without bias of the Inception Score.
@@ -3119,6 +3175,7 @@ def test_fid_adm_features_match_evaluator_graph(inception):
             and rel_err(out["sigma_s"], np.cov(spatial, rowvar=False)) < 1e-4)
 
 
+@slow
 def test_fid_adm_scores_match_evaluator(monkeypatch):
     """The evaluator's own Inception Score, FID/sFID statistics and Precision/Recall code on the
     reference features."""
@@ -3156,6 +3213,7 @@ def test_fid_adm_scores_match_evaluator(monkeypatch):
     assert fid.precision_recall(*cases["b"]) == tuple(ref["pr_b"])
 
 
+@slow
 def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     """`fid.py ref` writes the evaluator's layout; OpenAI's layout (images in arr_0) loads too, and
     its images' pool features are computed for Precision and Recall."""
@@ -3229,6 +3287,7 @@ def kaggle_tree(root, photos):
     return src, [a, b, c, d], labels
 
 
+@slow
 def test_prepare_latents_kaggle_tree(tmp_path):
     src, wnids, names = kaggle_tree(tmp_path, data("imagenet100-photos"))
     vae_dir = fixture("vae_reference")
@@ -3272,6 +3331,7 @@ def test_prepare_latents_kaggle_tree(tmp_path):
     assert np.load(out / "val" / "latents.npy").shape == (2, 2, 16, 16, 8)
 
 
+@slow
 def test_train_on_prepared_imagenet100(tmp_path, monkeypatch):
     """What prepare_imagenet100.py writes is what `dit.py --dataset imagenet100` trains on, and the
     sample grids decode the latents with the same VAE."""
@@ -3330,6 +3390,7 @@ def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
     assert prepare_imagenet100.main(args(tmp_path / "out"))["complete"] and calls == []
 
 
+@slow
 def test_prepare_fid_statistics(tmp_path, monkeypatch):
     """fid_stats.npz holds the mean and covariance of the Inception pool features of the kept,
     cropped images."""
@@ -3459,6 +3520,7 @@ TRAINING_CASES = [(arch, ("rf", "ddpm")[(i + j) % 2], precision, REMATS[(i + j) 
 
 @pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("arch, objective, precision, remat", TRAINING_CASES)
+@slow
 def test_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
     state, step = lower_training(tiny_config(objective, arch), objective, precision, remat)
     # float16 trains with loss scaling, in the state and in the step's metrics
@@ -3493,6 +3555,7 @@ def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precisio
     assert images.out_avals[0].dtype == jnp.uint8
 
 
+@slow
 def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
     """prepare_imagenet100's encoder (encode_with_flip, jitted as sharded_apply jits it) and the
     samplers' chunked decoder (Sampler.finish with load_decoder's VAE): 7 latents in chunks of 3,
@@ -3511,11 +3574,15 @@ def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
     assert decode.out_avals[0].shape == (7, 16, 16, 3)
 
 
-def test_inception_lowers_for_tpu_and_cuda(inception):
-    """fid.py's Inception forward, which FID and prepare_imagenet100's statistics run."""
+@pytest.mark.parametrize("protocol", fid.PROTOCOLS)
+@slow
+def test_inception_lowers_for_tpu_and_cuda(inception, protocol):
+    """fid.py's Inception forward in each protocol, which FID and prepare_imagenet100's statistics
+    run."""
     graphdef, state = nnx.split(inception)
-    forward = lower(fid._inception_forward, graphdef, state, spec((2, 32, 32, 3), jnp.uint8))
-    assert [a.shape for a in forward.out_avals] == [(2, 2048), (2, 1008)]
+    forward = lower(fid._inception_forward, graphdef, protocol, state,
+                    spec((2, 32, 32, 3), jnp.uint8))
+    assert [a.shape for a in forward.out_avals] == [(2, 2048), (2, 1008), (2, fid.SPATIAL_DIM)]
 
 
 def test_cudnn_attention_lowers_for_cuda(monkeypatch):
@@ -3580,6 +3647,7 @@ def lower_on_a_v3_8(vae_dir):
     return found
 
 
+@slow
 def test_programs_lower_for_the_8_cores_of_a_tpu_v3_8():
     script = (f"import json, sys; sys.path.insert(0, {HERE!r}); import test_dit; "
               f"print(json.dumps(test_dit.lower_on_a_v3_8({fixture('vae_reference')!r})))")
@@ -3913,6 +3981,7 @@ def _one_clear_line(message, named, says):
 
 
 @pytest.mark.parametrize("case", SUBPROCESS)
+@slow
 def test_command_refuses_in_one_line(hostile, case):
     script, args, named, says = _command(hostile, case)
     env = dict(os.environ, JAX_PLATFORMS="cpu", DIT_CACHE=os.path.join(hostile["dir"], "cache"))
@@ -3926,6 +3995,7 @@ def test_command_refuses_in_one_line(hostile, case):
 
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
+@slow
 def test_command_refuses_in_one_line_in_process(hostile, case, monkeypatch):
     """Each case through its command's main and dit.run_cli, what `python SCRIPT` runs. The CIFAR-10
     cap is lowered to 4 MiB here, so that the bomb stays within the bound tracemalloc checks (in
