@@ -2340,10 +2340,11 @@ def check_batch_size(batch_size):
 
 
 def model_config(args, input_size, in_channels, num_classes):
-    """The DiTConfig of the model options (model_options) for inputs of this shape."""
+    """The DiTConfig of the model options (model_options, the switches resolved by main) for inputs
+    of this shape."""
     return dit_config(f"{args.size}/{args.patch}", input_size=input_size, in_channels=in_channels,
                       num_classes=num_classes, learn_sigma=args.objective == "ddpm",
-                      **architecture(args))
+                      **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
 
 
 def compute_dtype(precision):
@@ -2982,6 +2983,11 @@ class Sampler:
         return images
 
 
+def device_multiple(n):
+    """n rounded up to a multiple of the device count, so that a batch splits over the devices."""
+    return math.ceil(n / jax.device_count()) * jax.device_count()
+
+
 def spread_labels(n, num_classes):
     """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional
     model). (n,)"""
@@ -3070,7 +3076,7 @@ class Evaluator:
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
             self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
-        n = math.ceil(16 / jax.device_count()) * jax.device_count()
+        n = device_multiple(16)
         self.shape, self.num_classes = ds.input_shape, ds.num_classes
         self.grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape))
         self.grid_labels = jnp.asarray(spread_labels(n, ds.num_classes))
@@ -3354,7 +3360,7 @@ def sample_command(args):
                 scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
         return scores  # what a notebook shows: the scores of each setting, not the features
     sampler = make_sampler(cfg_scale=scales[0], interval=intervals[0])
-    n = math.ceil(args.n / jax.device_count()) * jax.device_count()
+    n = device_multiple(args.n)
     labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
               else spread_labels(n, cfg.num_classes))
     noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
