@@ -2068,14 +2068,13 @@ def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text):
         dit.main(["--time-limit", text])
 
 
-@pytest.mark.parametrize("devices, fsdp", [(4, True), (8, False)])
 @slow
-def test_more_devices_equal_one(tmp_path, folder_data, straight_run, devices, fsdp):
-    """4 devices sharing the batch and, with --fsdp, the parameters and optimizer state == 1 device;
-    so do the 8 devices of a TPU v3-8 sharing the batch, one sample each (sharing the batch is also
-    what test_two_hosts_equal_one runs, on 2 x 2 devices)."""
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 3,
-                                 [*VALIDATION, *(["--fsdp"] if fsdp else [])]), devices=devices)
+def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
+    """The 8 devices of a TPU v3-8 sharing the batch (one sample each) and, with --fsdp, the
+    parameters and optimizer state == 1 device (sharing the batch alone is what
+    test_two_hosts_equal_one runs, on 2 x 2 devices)."""
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 3, [*VALIDATION, "--fsdp"]),
+            devices=8)
     one = state_at(straight_run, 3)
     assert int(one["step"]) == 3
     # the parameters moved: the comparison is not between two untouched initialisations
