@@ -2668,9 +2668,6 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
             self.board.scalars(record)
 
-    def image(self, step, grid):
-        self.board.image(step, grid)
-
     def add(self, metrics):
         self.pending.append(metrics)
 
@@ -3112,8 +3109,8 @@ class Evaluator:
         images = self.grid_sampler(params, self.grid_noise, self.grid_labels,
                                    jax.random.key(self.args.seed + 2))
         if jax.process_index() == 0:
-            log.image(step, save_grid(images, os.path.join(self.args.run_dir, "samples",
-                                                           f"step_{step:07d}.png")))
+            log.board.image(step, save_grid(images, os.path.join(self.args.run_dir, "samples",
+                                                                 f"step_{step:07d}.png")))
 
     def fid(self, params, step, n, log):
         """FID-N and the other scores of n samples, into the log; skipped, with a note why, when
