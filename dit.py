@@ -795,7 +795,7 @@ def new_train_state(model, tx):
     return state
 
 
-def make_train_step(graphdef, objective, tx, ema_decay, seed):
+def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
     """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics).
 
     The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
@@ -814,8 +814,12 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
         grads, losses = scaled_grad(loss_fn, state)  # float16 scales the loss: see section 12
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        # DiT keeps an exponential moving average of the weights and samples from it.
-        ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
+        # DiT keeps an exponential moving average of the weights and samples from it. A short run
+        # warms it up: the decay grows as (1 + step) / (10 + step) up to ema_decay (the rule of
+        # TensorFlow's ExponentialMovingAverage), so that early samples come from trained weights.
+        decay = (jnp.minimum(ema_decay, (1.0 + state["step"]) / (10.0 + state["step"]))
+                 if ema_warmup else ema_decay)
+        ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, state["ema"], params)
         new_state = {**state, "step": state["step"] + 1, "params": params, "ema": ema,
                      "opt_state": opt_state}
         metrics = {"loss": losses["loss"].mean(), "grad_norm": optax.tree.norm(grads),
@@ -2315,7 +2319,7 @@ def duration(text):
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
-                "grad_clip", "ema_decay", "seed", "resolution", "val_images")
+                "grad_clip", "ema_decay", "ema_warmup", "seed", "resolution", "val_images")
 
 
 def setup_distributed(args):
@@ -2474,11 +2478,11 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     return graphdef, state, shardings
 
 
-def jit_train_step(graphdef, objective, tx, ema_decay, seed, mesh, shardings):
+def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings):
     """make_train_step compiled for the mesh: the state keeps its shardings (and its buffers are
     reused for the next state), the batch is split over the devices."""
     batch = NamedSharding(mesh, P("data"))
-    return jax.jit(make_train_step(graphdef, objective, tx, ema_decay, seed),
+    return jax.jit(make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup),
                    in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
                    donate_argnums=0)
 
@@ -2510,7 +2514,9 @@ def open_run(args, cfg, ds):
         old = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
                         "delete it to go on with this command's settings, or use another "
                         "--run-dir")
-        diff = {k: (old.get(k), settings[k]) for k in settings if old.get(k) != settings[k]}
+        # A setting missing from run.json is one that its run had off.
+        diff = {k: (old.get(k), settings[k]) for k in settings
+                if old.get(k) != settings[k] and (k in old or settings[k])}
         if diff:
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
@@ -2755,7 +2761,8 @@ def train(args):
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
-    step_fn = jit_train_step(graphdef, objective, tx, args.ema_decay, args.seed, mesh, shardings)
+    step_fn = jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup, args.seed,
+                             mesh, shardings)
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
     # The loop: one step on every global batch, assembled from each process's share; then logging,
@@ -3204,7 +3211,7 @@ def bench(args):
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
-    step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, 0, mesh,
+    step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, False, 0, mesh,
                              shardings)
     batch = NamedSharding(mesh, P("data"))
     n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
@@ -3319,6 +3326,10 @@ def sample_command(args):
     reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
     model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
     default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
+    steps, method = args.steps or default_steps, args.sampler or default_method
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
+        f"{model.cfg.input_size}x{model.cfg.in_channels}, {meta['objective']['name']}")
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
                          f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")
@@ -3329,8 +3340,7 @@ def sample_command(args):
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
     make_sampler = functools.partial(
-        Sampler, nnx.graphdef(model), objective, mesh, steps=args.steps or default_steps,
-        method=args.sampler or default_method,
+        Sampler, nnx.graphdef(model), objective, mesh, steps=steps, method=method,
         guidance_channels=3 if args.guidance_channels == "3" else None,
         vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
              if latent_scale else None),
@@ -3338,11 +3348,14 @@ def sample_command(args):
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
     if args.fid:
+        if reference:
+            say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
         root, ext, scores = *os.path.splitext(args.out or "samples.npz"), {}
         for scale, interval in settings:
             setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]"
                                                if interval else "")
+            say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
             images, labels = generate(make_sampler(cfg_scale=scale, interval=interval), params,
                                       args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
             if jax.process_index() == 0:
@@ -3352,6 +3365,7 @@ def sample_command(args):
                 write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
                 print(f"{len(images)} samples ({setting}) -> {out}")
             if reference:
+                say(f"scoring them against {args.ref}")
                 result = evaluate_samples(images, reference, inception)
                 print(f"{setting}: {fid.describe(result)}")
                 scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
@@ -3361,13 +3375,14 @@ def sample_command(args):
     labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
               else spread_labels(n, cfg.num_classes))
     noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
+    say(f"sampling {n} images ({method}, {steps} steps, guidance {scales[0]:g})")
     out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
     images, trajectory = out if args.gif else (out, None)
     if jax.process_index() != 0:
         return
     out_path = args.out or "samples.png"
     grid = save_grid(images[:args.n], out_path)
-    print(f"{args.n} samples -> {out_path}")
+    print(f"{args.n} samples -> {out_path} ({sampler.seconds['sample']:.1f} s)")
     if args.gif:
         grids = [make_grid(frame[:args.n]) for frame in trajectory]
         # hold the final grid for a while before the animation loops
@@ -3468,6 +3483,9 @@ def build_parser():
     t.add_argument("--grad-clip", type=float, default=0.0,
                    help="clip the global gradient norm (0: off)")
     t.add_argument("--ema-decay", type=float, help="decay of the EMA of the weights")
+    t.add_argument("--ema-warmup", action=argparse.BooleanOptionalAction,
+                   help="let the EMA's decay grow as (1 + step) / (10 + step) up to --ema-decay, "
+                   "so that a short run's early samples come from trained weights")
     t.add_argument("--run-dir", help="checkpoints, metrics and samples; an existing run there is "
                    "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
     t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "

@@ -12,6 +12,7 @@ reach the network by one of two protocols (PROTOCOLS): `adm`, the way OpenAI's e
 the DiT paper, or `pytorch-fid`'s.
 
     python fid.py ref FOLDER_OR_NPZ OUT.npz       # a reference batch (OpenAI's evaluator's layout)
+    python fid.py ref mnist OUT.npz --images 1000 # ... of 1,000 of MNIST's own digits
     python fid.py stats FOLDER_OR_NPZ OUT.npz     # FID statistics (mu, sigma), pytorch-fid's layout
     python fid.py fid samples.npz ref.npz         # FID, sFID, IS, Precision, Recall of DiT samples
                                                     (sample_ddp.py's arr_0 layout)
@@ -904,26 +905,44 @@ class ImageFolder:
         return np.stack(list(self.pool.map(self._read_checked, paths)))  # (n, H, W, 3)
 
 
-def load_images(source):
-    """A folder of images or an .npz of uint8 images (`arr_0`, as DiT's sample_ddp.py writes) -> a
-    sequence."""
-    if os.path.isdir(source):
-        return ImageFolder(source)
-    if not os.path.isfile(source):
-        raise FileNotFoundError(f"{source}: no such folder or file")
-    if not source.endswith(".npz"):
+# Datasets that a source may name: dit.py reads them (downloading them when missing), so that a
+# reference of real digits needs no folder of images.
+DATASETS = ("mnist", "cifar10")
+
+
+def load_images(source, count=None, data_dir=None):
+    """A folder of images, an .npz of uint8 images (`arr_0`, as DiT's sample_ddp.py writes) or a
+    dataset of DATASETS (from data_dir, else dit.py's default place) -> a sequence of uint8
+    (N, H, W, 3); `count` keeps that many, evenly spaced."""
+    if source in DATASETS and not os.path.exists(source):
+        images = dit.load_dataset(source, data_dir).x
+        if images.shape[-1] == 1:  # MNIST: gray to RGB, as the sampler writes digits
+            images = np.repeat(images, 3, axis=-1)
+    elif os.path.isdir(source):
+        images = ImageFolder(source)
+    elif not os.path.isfile(source):
+        raise FileNotFoundError(f"{source}: no such folder or file (or dataset: "
+                                f"{', '.join(DATASETS)})")
+    elif not source.endswith(".npz"):
         raise dit.InputError(f"{source}: expected a folder of images or an .npz with the images in "
                              f"`arr_0`")
-    images = dit.read_npz(source, ["arr_0"]).get("arr_0")
-    if images is None:
-        raise dit.InputError(
-            f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
-            f"of images or an .npz of them")
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise dit.InputError(
-            f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
-            f"(N, H, W, 3); convert floats in [0, 1] with "
-            f"(x * 255).round().clip(0, 255).astype(np.uint8)")
+    else:
+        images = dit.read_npz(source, ["arr_0"]).get("arr_0")
+        if images is None:
+            raise dit.InputError(
+                f"{source} holds no images (`arr_0`, uint8 (N, H, W, 3)); give a folder "
+                f"of images or an .npz of them")
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+            raise dit.InputError(
+                f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
+                f"(N, H, W, 3); convert floats in [0, 1] with "
+                f"(x * 255).round().clip(0, 255).astype(np.uint8)")
+    if count and count < len(images):
+        keep = evenly_spaced(len(images), count)
+        if isinstance(images, ImageFolder):
+            images.paths = [images.paths[i] for i in keep]
+        else:
+            images = images[keep]
     return images
 
 
@@ -1062,9 +1081,10 @@ def _positive_ints(text):
 def main(argv=None):
     parser = dit.OneLineParser(description="FID, sFID, Inception Score, Precision and Recall "
                                      "with pytorch-fid's InceptionV3, in JAX. A source is a folder "
-                                     "of images, an .npz of uint8 images (arr_0) or, where "
-                                     "statistics suffice, an .npz of statistics (mu, sigma) or a "
-                                     "reference batch (`ref`, or OpenAI's).")
+                                     "of images, an .npz of uint8 images (arr_0), a dataset "
+                                     "(mnist, cifar10) or, where statistics suffice, an .npz of "
+                                     "statistics (mu, sigma) or a reference batch (`ref`, or "
+                                     "OpenAI's).")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="save the FID statistics of a source to OUT.npz "
                                 "(pytorch-fid's layout, mu and sigma)")
@@ -1088,6 +1108,10 @@ def main(argv=None):
                              f"else download)")
         command.add_argument("--batch-size", type=dit.positive_int, default=128,
                              help="images per device per step")
+        command.add_argument("--images", type=dit.positive_int, metavar="N",
+                             help="use N of each source's images, evenly spaced (default: all)")
+        command.add_argument("--data-dir", help=f"where a dataset source ({', '.join(DATASETS)}) "
+                             f"is, or is downloaded to")
         command.add_argument("--protocol", choices=PROTOCOLS,
                              help=f"how images become features (default: a reference's own, "
                              f"else {DEFAULT_PROTOCOL}): adm is OpenAI's evaluator, which computed "
@@ -1107,8 +1131,12 @@ def main(argv=None):
 
     def features(source, protocol):
         nonlocal inception
-        images = load_images(source)  # bad sources fail before the weights are fetched
-        inception = inception or load_inception(args.weights)
+        # bad sources fail before the weights are fetched
+        images = load_images(source, args.images, args.data_dir)
+        if inception is None:
+            say("loading the Inception network")
+            inception = load_inception(args.weights)
+        say(f"{source}: Inception features of {len(images)} images ({protocol})")
         out = image_statistics(images, inception, args.batch_size, protocol=protocol)
         say(f"{source}: {out['count']} images ({protocol})")
         return out

@@ -948,6 +948,24 @@ def test_loss_scaling_skips_overflows_and_adapts():
         assert ("loss_scale" in state) == scaled, dtype
 
 
+def test_ema_warms_up():
+    """With ema_warmup the EMA's decay is min(ema_decay, (1 + step) / (10 + step)); without, the
+    constant ema_decay of DiT."""
+    cfg = dit.DiTConfig(input_size=4, patch_size=2, in_channels=1, hidden_size=16, depth=1,
+                        num_heads=2, num_classes=0, learn_sigma=False)
+    tx, _ = dit.make_optimizer(1e-2)
+    x, y = jax.random.normal(jax.random.key(1), (4, 4, 4, 1)), jnp.zeros(4, int)
+    for warmup, decays in [(True, [0.1, 0.15]), (False, [0.15, 0.15])]:  # 1/10, then 2/11 > 0.15
+        graphdef, state, _ = dit.init_state(cfg, tx, 0, dit.make_mesh(), False, jnp.float32, None)
+        step = jax.jit(dit.make_train_step(graphdef, dit.RectifiedFlow(), tx, 0.15, 0, warmup))
+        ema = state["ema"]
+        for d in decays:
+            state, _ = step(state, x, y)
+            ema = jax.tree.map(lambda e, p: d * e + (1 - d) * p, ema, state["params"])  # noqa: B023
+            for a, b in zip(jax.tree.leaves(state["ema"]), jax.tree.leaves(ema)):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 @slow
 def test_training_loss_is_logged_by_noise_level():
     """The step sums the per-sample losses in LOSS_BINS equal ranges of t in [0, 1)."""
@@ -3123,6 +3141,22 @@ def test_fid_image_inputs_are_checked(tmp_path, inception):
         fid.load_images(str(tmp_path / "stats.npz"))
 
 
+def test_fid_sources_by_dataset_name_and_count(tmp_path):
+    """A source may name a dataset that dit.py reads (digits become RGB, as the sampler writes
+    them); --images keeps N of any source, evenly spaced."""
+    digits = np.random.default_rng(0).integers(0, 256, (7, 5, 5), dtype=np.uint8)
+    write_idx(tmp_path / "train-images-idx3-ubyte", digits)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(7, dtype=np.uint8))
+    images = fid.load_images("mnist", count=3, data_dir=str(tmp_path))
+    np.testing.assert_array_equal(images, np.repeat(digits[[0, 3, 6], ..., None], 3, axis=-1))
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(5):
+        Image.fromarray(np.full((4, 4, 3), 10 * i, np.uint8)).save(folder / f"{i}.png")
+    kept = fid.load_images(str(folder), count=2)
+    assert len(kept) == 2 and kept[:2][:, 0, 0, 0].tolist() == [0, 40]
+
+
 @slow
 def test_fid_command_line(tmp_path, monkeypatch, capsys):
     ref = np.load(fixture("inception_reference.npz"))
@@ -3501,7 +3535,7 @@ def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_
     split = NamedSharding(mesh, P("data"))
     x = spec((batch, cfg.input_size, cfg.input_size, cfg.in_channels), sharding=split)
     y = spec((batch,), jnp.int32, sharding=split)
-    step_fn = dit.jit_train_step(graphdef, objective, tx, 0.999, 0, mesh, shardings)
+    step_fn = dit.jit_train_step(graphdef, objective, tx, 0.999, False, 0, mesh, shardings)
     step = lower(step_fn, state, x, y, **lowering)
     lower(jax.jit(lambda params, x, y: dit.validation_losses(
         nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1)),
