@@ -6,8 +6,8 @@ Parity tests compare against reference vectors made by running the official impl
 (facebookresearch/DiT, pytorch-fid, diffusers); they read them from $DIT_FIXTURES when it is set,
 else from fixtures/. They take every shape, class count, timestep and configuration from the
 reference files, so that reference files made the same way for another configuration test the same
-things. Tests on real images read $DIT_DATA when it is
-set, else the few real images in fixtures/data/. A missing file fails its test.
+things. Tests on real images read $DIT_DATA when it is set, else the few real images in
+fixtures/data/. A missing file fails its test.
 Run: python -m pytest -q test_dit.py
 """
 import atexit
@@ -2835,7 +2835,7 @@ def test_torch_legacy_inception_keys():
     dtypes = {"FloatStorage": np.float32, "LongStorage": np.int64}
     for name, want in random_inception_weights(small, seed).items():
         assert sd[name].dtype == dtypes[keys[name]["dtype"]], name
-        np.testing.assert_array_equal(sd[name], want, err_msg=name)
+        np.testing.assert_array_equal(sd[name], want, err_msg=name, strict=True)
 
 
 def write_legacy_state_dict(path, state):
