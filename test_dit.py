@@ -4,9 +4,10 @@ GPUs; last, hostile and damaged files against every command.
 
 Parity tests compare against reference vectors made by running the official implementations
 (facebookresearch/DiT, pytorch-fid, diffusers); they read them from $DIT_FIXTURES when it is set,
-else from fixtures/, and skip, naming the file, when it is in neither. They take every shape, class
-count, timestep and configuration from the reference files, so that reference files made the same
-way for another configuration test the same things. Tests on real images read $DIT_DATA.
+else from fixtures/. They take every shape, class count, timestep and configuration from the
+reference files, so that reference files made the same way for another configuration test the same
+things. Tests on real images read $DIT_DATA when it is set, else the few real images in
+fixtures/data/. A missing file fails its test.
 Run: python -m pytest -q test_dit.py
 """
 import atexit
@@ -59,6 +60,8 @@ from dit import (AutoencoderKL, center_crop_arr, Dataset, GaussianDiffusion, loa
 from dit import UnsafePickleError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "fixtures"))
+from random_inception import random_inception_weights  # noqa: E402  (the reference scripts' rule)
 
 # Tests that take seconds each (a process, a kernel, a training run, a large network) are marked
 # slow: `python -m pytest -q test_dit.py -m "not slow"` runs the rest, a quick subset for an edit
@@ -78,20 +81,21 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
 
 
 def fixture(name):
-    """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/; skip if in
-    neither."""
+    """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/. A missing file
+    fails the test: a fresh clone holds every file the tests read."""
     for d in (os.environ.get("DIT_FIXTURES"), os.path.join(HERE, "fixtures")):
         if d and os.path.exists(os.path.join(d, name)):
             return os.path.join(d, name)
-    pytest.skip(f"reference file {name!r} is in neither $DIT_FIXTURES nor fixtures/")
+    pytest.fail(f"reference file {name!r} is in neither $DIT_FIXTURES nor fixtures/")
 
 
 def data(name):
-    """Path of real images under $DIT_DATA; skip when it is not set."""
-    d = os.environ.get("DIT_DATA")
-    if not d or not os.path.exists(os.path.join(d, name)):
-        pytest.skip(f"{name!r} needs $DIT_DATA (the shared real-image folder)")
-    return os.path.join(d, name)
+    """Path of real images: under $DIT_DATA when it is set (the full sets), else under fixtures/data/
+    (a few of each). A missing one fails the test."""
+    path = os.path.join(os.environ.get("DIT_DATA") or os.path.join(HERE, "fixtures", "data"), name)
+    if not os.path.exists(path):
+        pytest.fail(f"real images {path} are missing")
+    return path
 
 
 def rel_err(ours, ref):
@@ -1327,12 +1331,13 @@ def write_idx(path, arr, gz=False):
 def test_mnist_real_test_digits(capsys):
     ds = load_dataset("mnist", data("mnist"))
     assert "test set" in capsys.readouterr().out  # only t10k is there: the one-line note
-    assert ds.x.shape == (10000, 28, 28, 1) and ds.x.dtype == np.uint8
+    n = len(ds.x)
+    assert ds.x.shape == (n, 28, 28, 1) and ds.x.dtype == np.uint8 and len(ds.labels) == n
     assert ds.input_shape == (28, 28, 1) and not ds.is_latent and not ds.flip
-    assert ds.labels[0] == 7  # the first test digit is a 7
-    # the published class counts of the MNIST test set
-    assert np.bincount(ds.labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974,
-                                               1009]
+    assert ds.labels[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]  # the test set's first digits
+    if n == 10000:  # the published class counts of the whole MNIST test set
+        assert np.bincount(ds.labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974,
+                                                   1009]
     assert ds.num_classes == 10 and ds.class_names == [str(d) for d in range(10)]
     assert ds.x.max() == 255 and ds.x.min() == 0
 
@@ -2837,15 +2842,31 @@ def test_torch_zip_dit_reference():
 
 
 def test_torch_legacy_inception_keys():
-    sd = dit.load_torch(fixture("inception_fid_random.pth"))
+    """torch.save's legacy format, as pytorch-fid's weights file has it: the file holds the real
+    file's 566 keys and storage types, every dimension cut to at most 2, with the random weights
+    that random_inception.py draws for those shapes from the reference's seed."""
+    sd = dit.load_torch(fixture("inception_random_legacy.pth"))
     keys = json.load(open(fixture("pt_inception_keys.json")))
-    assert set(sd) == set(keys) and len(keys) == 566
+    assert list(sd) == list(keys) and len(keys) == 566
+    small = {k: dict(v, shape=[min(d, 2) for d in v["shape"]]) for k, v in keys.items()}
+    seed = int(np.load(fixture("inception_reference_seeded.npz"))["weights_seed"])
     dtypes = {"FloatStorage": np.float32, "LongStorage": np.int64}
-    for name, info in keys.items():
-        assert list(sd[name].shape) == info["shape"], name
-        assert sd[name].dtype == dtypes[info["dtype"]], name
-    running_vars = [v for k, v in sd.items() if k.endswith("running_var")]
-    assert all(np.isfinite(v).all() and (v > 0).all() for v in running_vars)
+    for name, want in random_inception_weights(small, seed).items():
+        assert sd[name].dtype == dtypes[keys[name]["dtype"]], name
+        np.testing.assert_array_equal(sd[name], want, err_msg=name, strict=True)
+
+
+def write_legacy_state_dict(path, state):
+    """`state` ({name: array}) as torch.save(..., _use_new_zipfile_serialization=False) writes a
+    state dict: one storage per tensor, contiguous."""
+    storage_names = {np.dtype(np.float32): "FloatStorage", np.dtype(np.int64): "LongStorage"}
+    entries, storages, itemsizes = [], {}, {}
+    for i, (name, value) in enumerate(state.items()):
+        strides = tuple(s // value.itemsize for s in value.strides)
+        entries.append((name, _tensor(storage_names[value.dtype], str(i), value.size, 0,
+                                      value.shape, strides)))
+        storages[str(i)], itemsizes[str(i)] = value.tobytes(), value.itemsize
+    _write_legacy(path, _Call(_Global("collections", "OrderedDict"), entries), storages, itemsizes)
 
 
 def test_torch_refuses_malicious_pickle(tmp_path):
@@ -2935,13 +2956,24 @@ def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
 #################################################################################
 
 
+@pytest.fixture(scope="session")
+def inception_weights(tmp_path_factory):
+    """A weights file in the layout of pytorch-fid's, holding the random weights that the Inception
+    references were made with: drawn from their seed by random_inception.py's rule, so that the
+    95 MB need not be stored (the real file's legacy format is test_torch_legacy_inception_keys's)."""
+    seed = int(np.load(fixture("inception_reference_seeded.npz"))["weights_seed"])
+    keys = json.load(open(fixture("pt_inception_keys.json")))
+    path = str(tmp_path_factory.mktemp("inception") / "inception_random.pth")
+    write_legacy_state_dict(path, random_inception_weights(keys, seed))
+    return path
+
+
 @pytest.fixture(scope="module")
-def inception(tmp_path_factory):
-    """The FID InceptionV3 with the random-weight fixture (the real weights are not needed for
-    parity)."""
-    weights = fixture("inception_fid_random.pth")
+def inception(inception_weights, tmp_path_factory):
+    """The FID InceptionV3 with random weights (the real weights are not needed for parity)."""
     with pytest.warns(UserWarning, match="not pytorch-fid's official"):
-        return fid.load_inception(weights, cache_dir=str(tmp_path_factory.mktemp("cache")))
+        return fid.load_inception(inception_weights,
+                                  cache_dir=str(tmp_path_factory.mktemp("cache")))
 
 
 def test_fid_resize_matches_torch_formula():
@@ -2966,7 +2998,7 @@ def test_fid_resize_matches_torch_formula():
 
 @slow
 def test_fid_features_match_pytorch_fid_set32(inception):
-    ref = np.load(fixture("inception_reference.npz"))
+    ref = np.load(fixture("inception_reference_seeded.npz"))
     n = 7  # a subset keeps the test short on a CPU
     images, pool, logits = ref["set32"][:n], ref["set32_pool3"][:n], ref["set32_logits"][:n]
     # 3 steps, the last one padded
@@ -2982,8 +3014,8 @@ def test_fid_features_match_pytorch_fid_set32(inception):
 
 
 @slow
-def test_fid_evaluate_matches_pytorch_fid_features(inception):
-    ref = np.load(fixture("inception_reference.npz"))
+def test_fid_evaluate_matches_pytorch_fid_features(inception, inception_weights):
+    ref = np.load(fixture("inception_reference_seeded.npz"))
     # two images in each of the Inception Score's 10 splits (with one each, the score is exactly 1)
     n = 20
     pool, logits = ref["set32_pool3"][:n].astype(np.float64), ref["set32_logits"][:n]
@@ -2998,18 +3030,18 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception):
     # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's
     # minus fc.bias.
     expected_is = fid.inception_score(
-        logits - dit.load_torch(fixture("inception_fid_random.pth"))["fc.bias"])[0]
+        logits - dit.load_torch(inception_weights)["fc.bias"])[0]
     # The score sits close to 1 with random weights, so compare what lies above 1.
     assert (expected_is > 1.0001
             and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1))
 
 
 @slow
-def test_fid_features_sharded_over_two_devices(tmp_path):
+def test_fid_features_sharded_over_two_devices(tmp_path, inception_weights):
     # Two simulated CPU devices in a fresh process: 5 images at 2 per device make a full step of 4,
     # then a step holding 1 image and 3 of padding spread over both devices; the padding must be
     # dropped, the order kept.
-    weights, reference = fixture("inception_fid_random.pth"), fixture("inception_reference.npz")
+    weights, reference = inception_weights, fixture("inception_reference_seeded.npz")
     script = f"""
 import warnings, numpy as np, jax, fid
 assert jax.local_device_count() == 2
@@ -3030,7 +3062,7 @@ np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
 @pytest.mark.parametrize("name", ["set256", "set384"])
 @slow
 def test_fid_inception_matches_pytorch_fid(inception, name):
-    ref = np.load(fixture("inception_reference.npz"))
+    ref = np.load(fixture("inception_reference_seeded.npz"))
     images = ref[name][:6]  # a subset keeps the test short on a CPU
     pool, logits, _ = nnx.jit(lambda model, x: model(x))(inception, images)
     assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
@@ -3052,7 +3084,7 @@ def test_fid_inception_multiplies_in_float32_on_every_backend():
 
 
 def test_fid_frechet_distance_matches_pytorch_fid():
-    ref = np.load(fixture("inception_reference.npz"))
+    ref = np.load(fixture("inception_reference_seeded.npz"))
     value = fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"], ref["sigma2"])
     assert abs(value - ref["fid"]) / ref["fid"] < 1e-6
     with pytest.raises(ValueError, match="do not match"):
@@ -3158,8 +3190,8 @@ def test_fid_sources_by_dataset_name_and_count(tmp_path):
 
 
 @slow
-def test_fid_command_line(tmp_path, monkeypatch, capsys):
-    ref = np.load(fixture("inception_reference.npz"))
+def test_fid_command_line(tmp_path, monkeypatch, capsys, inception_weights):
+    ref = np.load(fixture("inception_reference_seeded.npz"))
     monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
     fid.save_statistics(str(tmp_path / "a.npz"), ref["mu1"], ref["sigma1"])
     fid.save_statistics(str(tmp_path / "b.npz"), ref["mu2"], ref["sigma2"])
@@ -3174,7 +3206,7 @@ def test_fid_command_line(tmp_path, monkeypatch, capsys):
         Image.fromarray(image).save(folder / f"{i}.png")
     with pytest.warns(UserWarning):
         fid.main(["stats", str(folder), str(tmp_path / "out.npz"), "--batch-size", "3",
-                  "--weights", fixture("inception_fid_random.pth"), "--protocol", "pytorch-fid"])
+                  "--weights", inception_weights, "--protocol", "pytorch-fid"])
     mu, sigma = fid.load_statistics(str(tmp_path / "out.npz"))
     pool = ref["set32_pool3"][:n].astype(np.float64)
     assert (rel_err(mu, pool.mean(axis=0)) < 1e-4
@@ -3198,7 +3230,7 @@ def test_fid_adm_features_match_evaluator_graph(inception):
     ref = np.load(fixture("adm_reference.npz"))
     n = 4  # one batch, the shape test_fid_reference_batches compiles too
     features = fid.InceptionFeatures(inception, batch_size=n, progress=False, protocol="adm")
-    features.update(np.load(fixture("inception_reference.npz"))[name][:n])
+    features.update(np.load(fixture("inception_reference_seeded.npz"))[name][:n])
     with pytest.warns(UserWarning, match="singular"):
         out = features.result()
     spatial = ref[f"{name}_spatial"][:n].astype(np.float64)  # (n, 17 * 17 * 7)
@@ -3209,27 +3241,27 @@ def test_fid_adm_features_match_evaluator_graph(inception):
 
 
 @slow
-def test_fid_adm_scores_match_evaluator(monkeypatch):
+def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
     """The evaluator's own Inception Score, FID/sFID statistics and Precision/Recall code on the
     reference features."""
     ref = np.load(fixture("adm_reference.npz"))
     pool = np.concatenate([ref["set32_pool"], ref["set256_pool"], ref["set384_pool"]])
-    weight = dit.load_torch(fixture("inception_fid_random.pth"))["fc.weight"]  # (1008, 2048)
-    for split_size in (5000, 32):  # one part; parts of 32, 32 and 16
+    weight = dit.load_torch(inception_weights)["fc.weight"]  # (1008, 2048)
+    for split_size in (5000, 32):  # one part; parts of 32 and the rest
         score = fid.inception_score(pool.astype(np.float64) @ weight.T, split_size=split_size)[0]
         expected = float(ref[f"is_{split_size}"])
         # random weights put the score near 1; the evaluator's softmax is float32
         assert expected > 1.01 and abs(score - expected) < 1e-4 * (expected - 1)
-    dims = int(ref["fid_dims"])
     for key, feature in (("fid", "pool"), ("sfid", "spatial")):
-        stats = []
-        for names in (["set32"], ["set256", "set384"]):
-            accumulator = fid.FeatureStats(dims)
-            accumulator.update(np.concatenate([ref[f"{n}_{feature}"][:, :dims] for n in names]))
+        features = np.concatenate([ref[f"{n}_{feature}"] for n in ("set32", "set256", "set384")])
+        dims, stats = ref[f"{key}_dims"], []
+        for rows in (ref["samples"], ref["refs_b"]):
+            accumulator = fid.FeatureStats(len(dims))
+            accumulator.update(features[rows][:, dims])
             stats += accumulator.mu_sigma()
         assert abs(fid.frechet_distance(*stats) - ref[key]) / ref[key] < 1e-6
-    cases = {"a": (ref["set256_pool"], ref["set32_pool"]),
-             "b": (np.concatenate([ref["set256_pool"], ref["set384_pool"]]), ref["set32_pool"])}
+    cases = {"a": (pool[ref["refs_a"]], pool[ref["samples"]]),
+             "b": (pool[ref["refs_b"]], pool[ref["samples"]])}
     cases["c"] = tuple(x * np.float32(ref["pr_c_scale"]) for x in cases["b"])  # float32 fallback
     for case, (refs, samples) in cases.items():
         assert fid.precision_recall(refs, samples) == tuple(ref[f"pr_{case}"])
@@ -3251,7 +3283,7 @@ def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     """`fid.py ref` writes the evaluator's layout; OpenAI's layout (images in arr_0) loads too, and
     its images' pool features are computed for Precision and Recall."""
     adm = np.load(fixture("adm_reference.npz"))
-    images = np.load(fixture("inception_reference.npz"))["set32"]
+    images = np.load(fixture("inception_reference_seeded.npz"))["set32"]
     n = 4
     features = fid.InceptionFeatures(inception, batch_size=n, progress=False, protocol="adm")
     features.update(images[:n])
@@ -3424,13 +3456,13 @@ def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
 
 
 @slow
-def test_prepare_fid_statistics(tmp_path, monkeypatch):
+def test_prepare_fid_statistics(tmp_path, monkeypatch, inception_weights):
     """fid_stats.npz holds the mean and covariance of the Inception pool features of the kept,
     cropped images."""
     # fid.py caches converted weights there
     monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
     src, wnids, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
-    weights = fixture("inception_fid_random.pth")
+    weights = inception_weights
     # the random fixture is not the official file; 5 images give a singular covariance
     with pytest.warns(UserWarning):
         prepare_imagenet100.main([str(src), str(tmp_path / "out"), "--pixels", "16", "--chunk-size",
