@@ -28,12 +28,11 @@ Part III reads the files that come from outside, checking every claim they make.
      12. The training loop                the mesh, the run directory, train()
      13. Sampling and evaluation          grids, FID samples, weights from any file
      14. Benchmark                        images/s, MFU and memory
-     15. Command line                     python dit.py [train|sample|export|bench]
+     15. Command line                     python dit.py [train|sample|export|bench]; errors in one line
     Part III: files from outside
-     16. Errors the user can fix          one line, `error: ...`, in a shell and in a notebook
-     17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
-     18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
-     19. JSON and downloads               checked JSON, verified downloads
+     16. Pickles and PyTorch files        a restricted unpickler; torch files without torch
+     17. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
+     18. JSON and downloads               checked JSON, verified downloads
 
 Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
 call main(["--size", "S", ...]) with the same arguments.
@@ -111,6 +110,33 @@ DIT_SIZES = {
 }
 
 
+# A mistake of the user's (a bad argument, file or folder) is an InputError, which the command lines
+# print as one line; any other exception is a bug and keeps its traceback.
+
+class InputError(ValueError):
+    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
+
+    The message names it and says what to do. The command lines (run_cli) print that message
+    alone, on one line and without a traceback; any other exception is a bug and keeps its
+    traceback. A ValueError, so that code catching bad values catches these too.
+    """
+
+    def _render_traceback_(self):
+        """What IPython and Jupyter show of it in place of a traceback: the same one line."""
+        return [one_line(self)]
+
+
+def one_line(e):
+    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
+    missing file, a full disk)."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
+    else:
+        message = str(e)
+    # A message can quote another library's error text, which may span lines.
+    return "error: " + " ".join(message.splitlines())
+
+
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
     """Architecture of a DiT. The defaults are DiT-XL/2 on 256x256 images (32x32x4 latents)."""
@@ -124,8 +150,8 @@ class DiTConfig:
     class_dropout_prob: float = 0.1  # > 0 adds the null label that classifier-free guidance needs
     num_classes: int = 1000          # 0 trains an unconditional model
     learn_sigma: bool = True         # DDPM with learned variance doubles the output channels
-    # DiT+: changes that later work found to help at DiT's scale, each on its own switch (built at
-    # the start of Part II); all off is the paper's DiT, and ARCHS names the set that the README's
+    # DiT+: changes that later work found to help at DiT's scale, each on its own switch, which
+    # DiTPlus reads (Part II); all off is the paper's DiT, and ARCHS names the set that the README's
     # ablation kept.
     qk_norm: bool = False            # RMSNorm on each head's queries and keys
     rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
@@ -133,9 +159,9 @@ class DiTConfig:
     rope: bool = False               # 2-D rotary position embeddings, beside the sin-cos table
 
     def __post_init__(self):
-        if self.input_size % self.patch_size:  # InputError: a mistake the user can fix, one line
-            raise InputError(f"the patch size (--patch {self.patch_size}) does not divide the "
-                             f"input size {self.input_size}; choose a patch size that does")
+        if self.input_size % self.patch_size:
+            raise InputError(f"the patch size {self.patch_size} does not divide the input size "
+                             f"{self.input_size}; choose a patch size that does")
 
     @property
     def grid(self):
@@ -145,11 +171,6 @@ class DiTConfig:
     @property
     def out_channels(self):
         return 2 * self.in_channels if self.learn_sigma else self.in_channels
-
-    @property
-    def plus(self):
-        """Whether a DiT+ switch is on."""
-        return self.qk_norm or self.rms_norm or self.swiglu or self.rope
 
 
 # The named architectures: the paper's DiT, and DiT+ with the changes that the README's ablation
@@ -249,7 +270,6 @@ def modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-@jax.checkpoint  # recomputed in the backward pass: see "Memory and speed" (Part II)
 def layer_norm(x, eps=1e-6):
     """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
     Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much
@@ -258,12 +278,6 @@ def layer_norm(x, eps=1e-6):
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
-@jax.checkpoint  # recomputed in the backward pass, as layer_norm
-def gelu(x):
-    """The tanh-approximated GELU of the official Mlp."""
-    return jax.nn.gelu(x, approximate=True)
 
 
 def adaln_zero(dim, n, *, dtype, rngs):
@@ -305,19 +319,24 @@ class Attention(nnx.Module):
         return self.proj(self.attend(q, k, v).reshape(B, T, D))
 
     def attend(self, q, k, v):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
-        return jax.nn.dot_product_attention(
-            q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
+        return jax.nn.dot_product_attention(q, k, v)
+
+
+def gelu(x):
+    """The tanh-approximated GELU of the official Mlp."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 class Mlp(nnx.Module):
-    """The transformer's feed-forward layer: Linear, tanh-approximated GELU, Linear."""
+    """The transformer's feed-forward layer: Linear, GELU, Linear."""
 
     def __init__(self, dim, hidden, *, dtype, rngs):
         self.fc1 = nnx.Linear(dim, hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
+        self.act = gelu
         self.fc2 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
-        return self.fc2(gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class DiTBlock(nnx.Module):
@@ -365,21 +384,19 @@ class DiT(nnx.Module):
     noise (and the variance values, when learn_sigma) under DDPM.
 
     `dtype` is the compute dtype (bfloat16 or float16 for mixed precision); parameters stay
-    float32. `remat`, a key of REMAT_POLICIES or None, recomputes activations in the backward pass
-    instead of keeping them, for the memory that large models need.
+    float32. DiTPlus (Part II) builds the blocks of DiT+ in place of Block and Final.
     """
+    Block, Final = DiTBlock, FinalLayer
 
-    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
-        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
         D = cfg.hidden_size
         self.x_embedder = PatchEmbed(cfg.in_channels, D, cfg.patch_size, dtype=dtype, rngs=rngs)
         self.t_embedder = TimestepEmbedder(D, dtype=dtype, rngs=rngs)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob, rngs=rngs)
-        # the paper's block and final layer, or DiT+'s (Part II) when one of its switches is on
-        Block, Final = (DiTPlusBlock, DiTPlusFinalLayer) if cfg.plus else (DiTBlock, FinalLayer)
-        self.blocks = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
-        self.final_layer = Final(cfg, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([self.Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
+        self.final_layer = self.Final(cfg, dtype=dtype, rngs=rngs)
 
     def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C)
         g, p = self.cfg.grid, self.cfg.patch_size
@@ -390,15 +407,14 @@ class DiT(nnx.Module):
         """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
         model is unconditional). `drop_key` turns on the random label dropout of training."""
         cfg = self.cfg
-        with matmul_precision(self.dtype):
-            x = self.x_embedder(x.astype(self.dtype))                # (B, T, D)
-            x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), self.dtype)
-            c = self.t_embedder(t)                                   # (B, D)
-            if cfg.num_classes:
-                c = c + self.y_embedder(y, drop_key)
-            for block in self.blocks:  # block(x, c), recomputed in the backward pass under remat
-                x = checkpoint_call(DiTBlock.__call__, block, x, c, remat=self.remat)
-            x = self.final_layer(x, c)                               # (B, T, p*p*C_out)
+        x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
+        x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), self.dtype)
+        c = self.t_embedder(t)                                       # (B, D)
+        if cfg.num_classes:
+            c = c + self.y_embedder(y, drop_key)
+        for block in self.blocks:
+            x = block(x, c)                                          # (B, T, D)
+        x = self.final_layer(x, c)                                   # (B, T, p*p*C_out)
         return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
@@ -637,7 +653,7 @@ class GaussianDiffusion:
         # itself
         vb = jnp.where(t == 0, decoder_nll, kl)
         mse = _mean_flat((noise - eps) ** 2)
-        return {"loss": mse + vb, "mse": mse, "vb": vb, "time": t / self.num_timesteps}
+        return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
 
     def training_losses(self, model_fn, x0, key):
         """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
@@ -704,10 +720,10 @@ class RectifiedFlow:
 
     def __init__(self, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
         if timestep_sampling not in ("logit_normal", "uniform"):
-            raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' "
+            raise InputError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' "
                              f"or 'uniform'")
         if not scale > 0:
-            raise InputError(f"the logit-normal scale (--ln-scale) must be positive, got {scale!r}")
+            raise InputError(f"the logit-normal scale must be positive, got {scale!r}")
         self.timestep_sampling, self.loc, self.scale = timestep_sampling, float(loc), float(scale)
 
     def sample_timesteps(self, key, n):
@@ -730,7 +746,7 @@ class RectifiedFlow:
         (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, time), each (B,)."""
         t_b = t.reshape((-1,) + (1,) * (x0.ndim - 1))  # (B, 1, 1, 1)
         x_t = (1 - t_b) * x0 + t_b * noise
-        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2), "time": t}
+        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2), "level": t}
 
     def training_losses(self, model_fn, x0, key):
         """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
@@ -785,18 +801,21 @@ def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
 def new_train_state(model, tx):
     """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
     DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
-    array by its path (params.blocks.0.attn.qkv.kernel, ...). A float16 model adds the state of its
-    loss scaling (scaled_grad, section 12)."""
+    array by its path (params.blocks.0.attn.qkv.kernel, ...)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    state = {"step": jnp.zeros((), jnp.int32), "params": params,
-             "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
-    if model.dtype == jnp.float16:
-        state |= {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
-    return state
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
 
 
-def make_train_step(graphdef, objective, tx, ema_decay, seed):
-    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics).
+def gradient(loss_fn, state):
+    """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux."""
+    return jax.grad(loss_fn, has_aux=True)(state["params"])
+
+
+def make_train_step(graphdef, objective, tx, ema_decay, seed, gradient=gradient):
+    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
+    the metrics being the mean loss, the gradient's norm and the per-sample `losses` of the
+    objective. `gradient` computes the gradients from the loss (the harness scales float16's).
 
     The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
     so a resumed run draws exactly what an uninterrupted one would, on any number of devices.
@@ -811,16 +830,15 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
             losses = objective.training_losses(model_fn, x, key_objective)
             return losses["loss"].mean(), losses
 
-        grads, losses = scaled_grad(loss_fn, state)  # float16 scales the loss: see section 12
+        grads, losses = gradient(loss_fn, state)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # DiT keeps an exponential moving average of the weights and samples from it.
         ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
         new_state = {**state, "step": state["step"] + 1, "params": params, "ema": ema,
                      "opt_state": opt_state}
-        metrics = {"loss": losses["loss"].mean(), "grad_norm": optax.tree.norm(grads),
-                   **loss_by_time(losses)}
-        return skip_overflow(state, new_state, metrics)  # float16 skips a step that overflowed
+        return new_state, {"loss": losses["loss"].mean(), "grad_norm": optax.tree.norm(grads),
+                           "losses": losses}
 
     return train_step
 
@@ -835,16 +853,21 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed):
 DEFAULT_SAMPLER = {"rf": ("heun", 25), "ddpm": ("ddpm", 250)}
 
 
+def guides(cfg, cfg_scale):
+    """Whether a model of configuration cfg samples with guidance at cfg_scale: not at 1, nor
+    without classes; one trained without label dropout has no null label to guide with."""
+    if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
+        raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
+                         f"dropout, so it has no null label to guide with; sample at scale 1")
+    return cfg_scale != 1 and cfg.num_classes > 0
+
+
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
            interval=None, return_trajectory=False):
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
     Pure; jit it."""
-    guided = cfg_scale != 1 and model.cfg.num_classes
-    if guided and not model.cfg.class_dropout_prob:  # InputError: the user's to fix, in one line
-        raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
-                         f"dropout, so it has no null label to guide with; use --cfg-scale 1")
-    if guided:
+    if guides(model.cfg, cfg_scale):
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
@@ -875,10 +898,9 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                      DiT+: the switches beyond the paper                      #
 #################################################################################
 # The switches of DiTConfig (ARCHS), each a change that later work found to help at DiT's scale.
-# The DiT builds the block and final layer below when any of them is on; all off is the paper's
-# model of section 3.
+# DiTPlus, the model that the harness trains, builds the block and final layer below; with every
+# switch off they compute the paper's model of section 3.
 
-@jax.checkpoint  # recomputed in the backward pass, as layer_norm
 def rms_norm(x, eps=1e-6):
     """RMSNorm (Zhang & Sennrich 2019), which the rms_norm switch puts in place of layer_norm: no
     mean is subtracted, so the tokens keep their offset; no affine parameters, float32, as
@@ -922,9 +944,10 @@ class DiTPlusAttention(Attention):
             self.k_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
     def attend(self, q, k, v):
-        # recomputed in the backward pass, as layer_norm
-        q, k = checkpoint_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
-        return super().attend(q, k, v)
+        if self.qk_norm or self.rope_grid is not None:  # recomputed in the backward pass
+            q, k = checkpoint_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
+        return jax.nn.dot_product_attention(
+            q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
 
     def queries_and_keys(self, q, k):  # q, k (B, T, H, D/H)
         if self.qk_norm:
@@ -935,7 +958,6 @@ class DiTPlusAttention(Attention):
         return q, k
 
 
-@jax.checkpoint  # recomputed in the backward pass, as gelu
 def swish_gate(a, b):
     return jax.nn.silu(a) * b
 
@@ -952,34 +974,55 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
         a, b = jnp.split(self.w12(x), 2, axis=-1)
-        return self.w3(swish_gate(a, b))
+        return self.w3(recomputed(swish_gate)(a, b))
 
 
 class DiTPlusBlock(DiTBlock):
     """The DiT block with the parts that cfg's switches replace; adaLN-Zero and the forward pass
-    are the paper's."""
+    are the paper's. Its norms and activations are recomputed in the backward pass, and the whole
+    block as `remat` says (see "Memory and speed")."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
-        self.norm = rms_norm if cfg.rms_norm else layer_norm
-        if cfg.qk_norm or cfg.rope:
-            self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm,
-                                         cfg.grid if cfg.rope else None, dtype=dtype, rngs=rngs)
-        else:
-            self.attn = Attention(D, cfg.num_heads, dtype=dtype, rngs=rngs)
+        self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
+        self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm, cfg.grid if cfg.rope else None,
+                                     dtype=dtype, rngs=rngs)
         if cfg.swiglu:
             self.mlp = SwiGLU(D, 2 * hidden // 3, dtype=dtype, rngs=rngs)
         else:
             self.mlp = Mlp(D, hidden, dtype=dtype, rngs=rngs)
+            self.mlp.act = recomputed(gelu)
         self.adaLN_modulation = adaln_zero(D, 6, dtype=dtype, rngs=rngs)
+        self.remat = None  # DiTPlus sets it
+
+    def __call__(self, x, c):
+        return checkpoint_call(DiTBlock.__call__, self, x, c, remat=self.remat)
 
 
 class DiTPlusFinalLayer(FinalLayer):
-    """The final layer, with RMSNorm instead of LayerNorm under rms_norm."""
+    """The final layer, with RMSNorm instead of LayerNorm under rms_norm, recomputed as the
+    block's."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
-        self.norm = rms_norm if cfg.rms_norm else layer_norm
+        self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
+
+
+class DiTPlus(DiT):
+    """The model that the harness trains and samples, for both architectures: the paper's DiT with
+    the blocks of DiT+, which compute the paper's when every switch is off, and run as "Memory and
+    speed" says: float32 products in float32, the blocks recomputed in the backward pass under
+    `remat` (a key of REMAT_POLICIES, or None). None of that changes what it computes."""
+    Block, Final = DiTPlusBlock, DiTPlusFinalLayer
+
+    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        for block in self.blocks:
+            block.remat = remat
+
+    def __call__(self, x, t, y, drop_key=None):
+        with matmul_precision(self.dtype):
+            return super().__call__(x, t, y, drop_key)
 
 
 #################################################################################
@@ -988,8 +1031,12 @@ class DiTPlusFinalLayer(FinalLayer):
 # Nothing here changes what the model computes (test_dit.py checks each). The backward pass needs
 # the activations of the forward pass; kept, layer_norm's float32 intermediates would take twice the
 # memory of the tokens themselves in every block, gelu's five more (B, T, 4D) tensors, DiT+'s
-# normalisation and rotation of queries and keys four more (B, T, D). Each is recomputed from its
-# input instead: by @jax.checkpoint on the function, by checkpoint_call for DiT+'s queries and keys.
+# normalisation and rotation of queries and keys four more (B, T, D). DiTPlus recomputes each from
+# its input instead: the functions through `recomputed`, DiT+'s queries and keys by checkpoint_call.
+
+# f, recomputed in the backward pass from its inputs; one function per f, so that two models built
+# alike have equal graphdefs
+recomputed = functools.cache(jax.checkpoint)
 
 # What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
 # the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
@@ -1160,7 +1207,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
             raise InputError(f"{path}: the shapes of its weights are not those of an official "
                              f"DiT ({type(e).__name__}: {e}); from Python, pass "
                              f"load_dit_checkpoint its DiTConfig") from None
-    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    model = nnx.eval_shape(lambda: DiTPlus(cfg, rngs=nnx.Rngs(0), **model_kwargs))
     load_state_dict(model, state_dict, path)
     table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
     pos_embed = state_dict.get("pos_embed")
@@ -2342,9 +2389,11 @@ def check_batch_size(batch_size):
 def model_config(args, input_size, in_channels, num_classes):
     """The DiTConfig of the model options (model_options, the switches resolved by main) for inputs
     of this shape."""
-    return dit_config(f"{args.size}/{args.patch}", input_size=input_size, in_channels=in_channels,
-                      num_classes=num_classes, learn_sigma=args.objective == "ddpm",
-                      **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
+    with flag(f"--patch {args.patch}"):
+        return dit_config(f"{args.size}/{args.patch}", input_size=input_size,
+                          in_channels=in_channels, num_classes=num_classes,
+                          learn_sigma=args.objective == "ddpm",
+                          **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
 
 
 def compute_dtype(precision):
@@ -2366,6 +2415,14 @@ def default_precision(device=None):
 
 # What the training loop adds to the core's training step (section 6): loss scaling for float16, and
 # the loss by noise level.
+
+def loss_scale_state(dtype):
+    """The state of the loss scaling that a float16 model's training adds to its state; none for
+    other dtypes."""
+    if dtype != jnp.float16:
+        return {}
+    return {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
+
 
 def scaled_grad(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux. A float16
@@ -2393,26 +2450,31 @@ def update_loss_scale(state, new_state, finite, period=2000):
     return keep | {"loss_scale": scale, "good_steps": good % period}
 
 
-def skip_overflow(state, new_state, metrics):
-    """(new_state, metrics) of a step; for a float16 state, after update_loss_scale, with the scale
-    and whether the step was skipped in the metrics."""
-    if "loss_scale" not in state:
-        return new_state, metrics
-    finite = jnp.isfinite(metrics["grad_norm"])
-    return (update_loss_scale(state, new_state, finite),
-            metrics | {"loss_scale": state["loss_scale"], "skipped": ~finite})
-
-
-# The training loss is also logged by noise level, the time t in [0, 1) of either objective, in this
-# many equal ranges: where the model is weak.
+# The training loss is also logged by noise level, the objective's level in [0, 1], in this many
+# equal ranges: where the model is weak.
 LOSS_BINS = 4
 
 
-def loss_by_time(losses):
-    """The per-sample losses summed, and counted, in each of the LOSS_BINS ranges of their time."""
-    bins = jnp.minimum((losses["time"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
-    return {"loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
-            "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
+def make_harness_step(graphdef, objective, tx, ema_decay, seed):
+    """The core's training step (make_train_step) as the training loop runs it: a float16 state
+    scales its loss (scaled_grad), and a step whose gradients overflowed is skipped
+    (update_loss_scale), with the scale and the skip in the metrics; the per-sample losses become
+    their sums and counts in each of the LOSS_BINS ranges of the noise level."""
+    core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, gradient=scaled_grad)
+
+    def train_step(state, x, y):
+        new_state, metrics = core_step(state, x, y)
+        losses = metrics.pop("losses")
+        bins = jnp.minimum((losses["level"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
+        metrics |= {"loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
+                    "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
+        if "loss_scale" not in state:
+            return new_state, metrics
+        finite = jnp.isfinite(metrics["grad_norm"])
+        return (update_loss_scale(state, new_state, finite),
+                metrics | {"loss_scale": state["loss_scale"], "skipped": ~finite})
+
+    return train_step
 
 
 def architecture(args):
@@ -2462,8 +2524,8 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     """(graphdef, state, shardings): the training state created directly in its shardings, so that a
     model too large for one device is never whole on one; or, given a checkpoint path, read from it
     (without initialising first, which would need the memory twice)."""
-    build = lambda: DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
-    init = lambda: new_train_state(build(), tx)  # noqa: E731
+    build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
+    init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
     shardings = state_shardings(abstract, mesh, fsdp)
     graphdef = nnx.graphdef(nnx.eval_shape(build))
@@ -2475,10 +2537,10 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
 
 
 def jit_train_step(graphdef, objective, tx, ema_decay, seed, mesh, shardings):
-    """make_train_step compiled for the mesh: the state keeps its shardings (and its buffers are
+    """make_harness_step compiled for the mesh: the state keeps its shardings (and its buffers are
     reused for the next state), the batch is split over the devices."""
     batch = NamedSharding(mesh, P("data"))
-    return jax.jit(make_train_step(graphdef, objective, tx, ema_decay, seed),
+    return jax.jit(make_harness_step(graphdef, objective, tx, ema_decay, seed),
                    in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
                    donate_argnums=0)
 
@@ -2843,7 +2905,7 @@ def model_of_metadata(path, meta, arrays, dtype):
                      "rectified flow does not)")
     if not (scale is None or isinstance(scale, (int, float)) and scale > 0):
         raise refuse(f"its latent_scale {scale!r} is not a positive number")
-    return nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
+    return nnx.eval_shape(lambda: DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
 
 
 def load_model(path, dtype=jnp.float32):
@@ -3291,6 +3353,62 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
 #                                15. Command line                               #
 #################################################################################
 
+def run_cli(main, argv=None):
+    """Run a command line's `main(argv)`. A failure on the user's input ends the process with
+    status 1 and one line on stderr (one_line); any other exception is a bug and keeps its
+    traceback."""
+    try:
+        return main(argv)
+    except (InputError, OSError) as e:
+        raise SystemExit(one_line(e)) from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, except that a bad option raises InputError rather than printing the
+    usage and exiting: one line from the command line, and in a notebook, one line with the
+    kernel alive."""
+
+    def error(self, message):
+        raise InputError(f"{message} (--help lists the options)")
+
+
+def _at_least(minimum):
+    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
+                                             f"{text!r}")
+        return value
+    return whole_number
+
+
+positive_int, non_negative_int = _at_least(1), _at_least(0)
+
+
+def positive_float(text):
+    """The argparse type of scales: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
+@contextlib.contextmanager
+def flag(name):
+    """An InputError of the core about the value that the option `name` gave, with its name."""
+    try:
+        yield
+    except InputError as e:
+        raise InputError(f"{name}: {e}") from None
+
+
 def float_list(text):
     """The argparse type of comma-separated numbers: "1,1.5,2" -> [1.0, 1.5, 2.0]."""
     try:
@@ -3323,6 +3441,9 @@ def sample_command(args):
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
                          f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")
     cfg = model.cfg
+    for scale in scales:
+        with flag(f"--cfg-scale {scale:g}"):
+            guides(cfg, scale)
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
                          f"model")
@@ -3455,7 +3576,7 @@ def build_parser():
                    help="distribution of rectified flow's training times")
     t.add_argument("--ln-loc", type=float, default=0.0,
                    help="mean of the logit-normal timestep distribution")
-    t.add_argument("--ln-scale", type=float, default=1.0,
+    t.add_argument("--ln-scale", type=positive_float, default=1.0,
                    help="scale of the logit-normal timestep distribution")
     t.add_argument("--batch-size", type=positive_int,
                    help="global batch over all devices and hosts")
@@ -3603,75 +3724,11 @@ def main(argv=None):
 # Every byte that comes from a file a user gave or downloaded is read here, by readers that check
 # each claim of the file (a length, a shape, an offset) against what is really there before
 # allocating anything, and that run no code from it. A file that fails a check raises InputError,
-# which names the file and says what to do; the command lines print it as one line (run_cli). The
-# harness above calls each reader in one line.
+# which names the file and says what to do; the command lines print it as one line (run_cli,
+# section 15). The harness above calls each reader in one line.
 
 #################################################################################
-#                          16. Errors the user can fix                          #
-#################################################################################
-
-class InputError(ValueError):
-    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
-
-    The message names it and says what to do. The command lines (run_cli) print that message
-    alone, on one line and without a traceback; any other exception is a bug and keeps its
-    traceback. A ValueError, so that code catching bad values catches these too.
-    """
-
-    def _render_traceback_(self):
-        """What IPython and Jupyter show of it in place of a traceback: the same one line."""
-        return [one_line(self)]
-
-
-def one_line(e):
-    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
-    missing file, a full disk)."""
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
-    else:
-        message = str(e)
-    # A message can quote another library's error text, which may span lines.
-    return "error: " + " ".join(message.splitlines())
-
-
-def run_cli(main, argv=None):
-    """Run a command line's `main(argv)`. A failure on the user's input ends the process with
-    status 1 and one line on stderr (one_line); any other exception is a bug and keeps its
-    traceback."""
-    try:
-        return main(argv)
-    except (InputError, OSError) as e:
-        raise SystemExit(one_line(e)) from None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser, except that a bad option raises InputError rather than printing the
-    usage and exiting: one line from the command line, and in a notebook, one line with the
-    kernel alive."""
-
-    def error(self, message):
-        raise InputError(f"{message} (--help lists the options)")
-
-
-def _at_least(minimum):
-    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
-    def whole_number(text):
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
-                                             f"{text!r}")
-        return value
-    return whole_number
-
-
-positive_int, non_negative_int = _at_least(1), _at_least(0)
-
-
-#################################################################################
-#                  17. Pickles and PyTorch files, without torch                 #
+#                  16. Pickles and PyTorch files, without torch                 #
 #################################################################################
 
 class UnsafePickleError(InputError, pickle.UnpicklingError):
@@ -4059,7 +4116,7 @@ def load_torch(path):
 
 
 #################################################################################
-#             18. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
+#             17. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
 #################################################################################
 
 # Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
@@ -4323,7 +4380,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 
 
 #################################################################################
-#                             19. JSON and downloads                            #
+#                             18. JSON and downloads                            #
 #################################################################################
 
 def read_json(path, valid, expected, fix):
