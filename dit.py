@@ -28,7 +28,7 @@ Part III reads the files that come from outside, checking every claim they make.
      12. The training loop                the mesh, the run directory, train()
      13. Sampling and evaluation          grids, FID samples, weights from any file
      14. Benchmark                        images/s, MFU and memory
-     15. Command line                     python dit.py [train|sample|export|bench]; errors in one line
+     15. Command line                     python dit.py [train|sample|export|bench], one-line errors
     Part III: files from outside
      16. Pickles and PyTorch files        a restricted unpickler; torch files without torch
      17. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
@@ -46,6 +46,7 @@ import functools
 import gzip
 import hashlib
 import http.client
+import inspect
 import io
 import itertools
 import json
@@ -461,6 +462,14 @@ def count_params(model):
 # (B,) float32 timesteps on DiT's 0..1000 scale. Class labels and classifier-free guidance are
 # closed over by the caller, e.g.
 # model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
+#
+# And both answer the rest of the code through one interface of their own: `name` (what checkpoints
+# record, with `settings`, the arguments that rebuild it), `learn_sigma` (whether the model's output
+# channels are doubled), their samplers METHODS with a default method and step count,
+# training_losses and losses_at (per-sample losses (B,) and each sample's noise level, a fraction
+# in [0, 1] mapped from the objective's own time; `time_at` maps it back), and
+# sample(model_fn, noise, key, steps, method). `mask`, weights broadcastable to the per-element loss
+# (B, H, W, C), restricts each loss to the masked elements; None is all of them.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
@@ -514,9 +523,14 @@ def _extract(table, t, ndim):
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
 
-def _mean_flat(x):
-    """Mean over every axis but the batch axis: (B, ...) -> (B,)."""
-    return jnp.mean(x, axis=tuple(range(1, x.ndim)))
+def _mean_flat(x, mask=None):
+    """Mean over every axis but the batch axis: (B, ...) -> (B,); with mask, weights broadcastable
+    to x, the weighted mean (over the masked elements only, for a mask of 0s and 1s)."""
+    axes = tuple(range(1, x.ndim))
+    if mask is None:
+        return jnp.mean(x, axis=axes)
+    mask = jnp.broadcast_to(mask, x.shape)
+    return jnp.sum(x * mask, axes) / jnp.maximum(jnp.sum(mask, axes), jnp.finfo(jnp.float32).tiny)
 
 
 def _normal_kl(mean1, logvar1, mean2, logvar2):
@@ -557,7 +571,9 @@ class GaussianDiffusion:
     respaced) chain; the network always sees the original timestep, timestep_map[t], which is what
     it was trained on. All schedule constants are float64 numpy arrays, as in the official code."""
 
-    METHODS = ("ddpm", "ddim")  # its samplers
+    name, learn_sigma, settings = "ddpm", True, {}
+    METHODS = ("ddpm", "ddim")  # its samplers; the paper's: ancestral sampling over 250 steps
+    default_method, default_steps = "ddpm", 250
 
     def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
         if not (isinstance(num_timesteps, int) and num_timesteps > 1):
@@ -568,6 +584,7 @@ class GaussianDiffusion:
         base_betas = np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
         base_alphas_cumprod = np.cumprod(1.0 - base_betas)
 
+        self.base_timesteps = num_timesteps
         self.timestep_map = np.array(space_timesteps(num_timesteps,
                                                      timestep_respacing or str(num_timesteps)))
         # the posterior variance at t = 0 is clipped to the one at t = 1
@@ -631,10 +648,14 @@ class GaussianDiffusion:
         mean, _ = self._q_posterior(pred_xstart, x, t_index)
         return {"mean": mean, "log_variance": log_variance, "pred_xstart": pred_xstart}
 
-    def losses_at(self, model_fn, x0, t, noise):
+    def time_at(self, level):
+        """The step indices (B,) of noise levels (B,) in [0, 1]: level * T, rounded down."""
+        return jnp.minimum((level * self.num_timesteps).astype(jnp.int32), self.num_timesteps - 1)
+
+    def losses_at(self, model_fn, x0, t, noise, mask=None):
         """Per-sample losses at given step indices t (B,) int and noise like x0 (B, H, W, C)
-        (official training_losses). Returns dict(loss, mse, vb, time), each (B,); vb is in bits
-        per dimension, time is t as a fraction of the chain, in [0, 1)."""
+        (official training_losses). Returns dict(loss, mse, vb, level), each (B,); vb is in bits
+        per dimension, level is t as a fraction of the chain, in [0, 1)."""
         x_t = (_extract(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
                + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.ndim) * noise)
         model_out = model_fn(x_t, self._model_time(t))  # (B, H, W, 2C)
@@ -646,31 +667,37 @@ class GaussianDiffusion:
         p = self.p_mean_variance(frozen, x_t, t)
         true_mean, true_log_variance = self._q_posterior(x0, x_t, t)
         kl = _mean_flat(_normal_kl(
-            true_mean, true_log_variance, p["mean"], p["log_variance"])) / np.log(2.0)
+            true_mean, true_log_variance, p["mean"], p["log_variance"]), mask) / np.log(2.0)
         decoder_nll = -_mean_flat(_discretized_gaussian_log_likelihood(
-            x0, p["mean"], 0.5 * p["log_variance"])) / np.log(2.0)
+            x0, p["mean"], 0.5 * p["log_variance"]), mask) / np.log(2.0)
         # the first step (t = 0) has no posterior to match: its term is the likelihood of the data
         # itself
         vb = jnp.where(t == 0, decoder_nll, kl)
-        mse = _mean_flat((noise - eps) ** 2)
+        mse = _mean_flat((noise - eps) ** 2, mask)
         return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
 
-    def training_losses(self, model_fn, x0, key):
+    def training_losses(self, model_fn, x0, key, mask=None):
         """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
         key."""
         key_t, key_noise = jax.random.split(key)
         t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, t, noise)
+        return self.losses_at(model_fn, x0, t, noise, mask)
 
-    def sample(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
+    def sample(self, model_fn, noise, key, steps, method="ddpm", return_trajectory=False):
+        """Sample on the chain of `steps` evenly spaced timesteps (official respacing: "250" for
+        ancestral sampling, "ddim250" for DDIM), which walk() walks."""
+        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps),
+                                  self.base_timesteps)
+        return chain.walk(model_fn, noise, key, method, return_trajectory)
+
+    def walk(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
         """Walk this instance's chain from t = T-1 down to 0, starting at noise (B, H, W, C).
         method "ddpm": ancestral sampling, x_{t-1} ~ p(x_{t-1} | x_t) with fresh noise from key each
         step (official p_sample_loop). method "ddim": DDIM with eta = 0 (Song et al. 2021 eq. 12),
         deterministic, key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as
-        DiT samples latents. For a user's step count use GaussianDiffusion(str(steps)) or
-        GaussianDiffusion(f"ddim{steps}"). Returns x0 (B, H, W, C), or
-        (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
+        DiT samples latents. Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting
+        with noise) when asked."""
         if method not in self.METHODS:
             raise ValueError(f"unknown DDPM sampling method {method!r}; use "
                              f"{' or '.join(map(repr, self.METHODS))}")
@@ -716,7 +743,11 @@ class RectifiedFlow:
     on [0, 1). The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the
     velocity (B, H, W, C): build the DiT with learn_sigma=False."""
 
-    METHODS = ("euler", "heun")  # its samplers
+    name, learn_sigma = "rf", False
+    # Its samplers; by default Heun at 25 steps, 50 network calls, second order (test_dit.py's
+    # Gaussian case: at equal steps its error is below half of Euler's)
+    METHODS = ("euler", "heun")
+    default_method, default_steps = "heun", 25
 
     def __init__(self, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
         if timestep_sampling not in ("logit_normal", "uniform"):
@@ -725,6 +756,8 @@ class RectifiedFlow:
         if not scale > 0:
             raise InputError(f"the logit-normal scale must be positive, got {scale!r}")
         self.timestep_sampling, self.loc, self.scale = timestep_sampling, float(loc), float(scale)
+        self.settings = {"timestep_sampling": timestep_sampling, "loc": self.loc,
+                         "scale": self.scale}
 
     def sample_timesteps(self, key, n):
         """n training times in [0, 1), float32 (n,)."""
@@ -741,25 +774,31 @@ class RectifiedFlow:
                              f"(learned variance is DDPM's)")
         return v
 
-    def losses_at(self, model_fn, x0, t, noise):
+    def time_at(self, level):
+        """The time t of a noise level: the level itself."""
+        return level
+
+    def losses_at(self, model_fn, x0, t, noise, mask=None):
         """Per-sample squared error of the velocity at times t (B,) in [0, 1] with noise like x0
-        (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, time), each (B,)."""
+        (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, level), each (B,)."""
         t_b = t.reshape((-1,) + (1,) * (x0.ndim - 1))  # (B, 1, 1, 1)
         x_t = (1 - t_b) * x0 + t_b * noise
-        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2), "level": t}
+        error = (noise - x0 - self._velocity(model_fn, x_t, t)) ** 2
+        return {"loss": _mean_flat(error, mask), "level": t}
 
-    def training_losses(self, model_fn, x0, key):
+    def training_losses(self, model_fn, x0, key, mask=None):
         """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
         key_t, key_noise = jax.random.split(key)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise)
+        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise,
+                              mask)
 
-    def sample(self, model_fn, noise, steps: int, method="euler", return_trajectory=False):
+    def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
-        steps. "euler": one network call per step. "heun": Heun's second-order method (Karras et al.
-        2022, alg. 1), two calls per step, including the last one, since the velocity stays finite
-        at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with
-        noise) when asked."""
+        steps; key unused. "euler": one network call per step. "heun": Heun's second-order method
+        (Karras et al. 2022, alg. 1), two calls per step, including the last one, since the
+        velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H,
+        W, C) starting with noise) when asked."""
         if method not in self.METHODS:
             raise ValueError(f"unknown rectified-flow sampling method {method!r}; use "
                              f"{' or '.join(map(repr, self.METHODS))}")
@@ -847,12 +886,6 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, gradient=gradient)
 #                                  7. Sampling                                  #
 #################################################################################
 
-# The sampler and step count of each objective when the user names none. Rectified flow: Heun at 25
-# steps, 50 network calls, which landed 2.8 times closer than Euler at 50 steps (same cost) to the
-# converged ODE solution in the README's measurement. DDPM: ancestral sampling at the paper's 250.
-DEFAULT_SAMPLER = {"rf": ("heun", 25), "ddpm": ("ddpm", 250)}
-
-
 def guides(cfg, cfg_scale):
     """Whether a model of configuration cfg samples with guidance at cfg_scale: not at 1, nor
     without classes; one trained without label dropout has no null label to guide with."""
@@ -874,12 +907,7 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
             x, t, y2, cfg_scale, guidance_channels, interval)
     else:
         x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
-    if isinstance(objective, RectifiedFlow):
-        out = objective.sample(model_fn, x, steps, method, return_trajectory=return_trajectory)
-    else:
-        # DDPM samples on a respaced chain: `steps` evenly spaced timesteps, "ddim<steps>" for DDIM.
-        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps))
-        out = chain.sample(model_fn, x, key, method, return_trajectory=return_trajectory)
+    out = objective.sample(model_fn, x, key, steps, method, return_trajectory=return_trajectory)
     n = noise.shape[0]
     return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
 
@@ -1023,6 +1051,109 @@ class DiTPlus(DiT):
     def __call__(self, x, t, y, drop_key=None):
         with matmul_precision(self.dtype):
             return super().__call__(x, t, y, drop_key)
+
+
+#################################################################################
+#                        EDM: the objective beyond the paper                    #
+#################################################################################
+
+class EDM:
+    """The denoiser of Karras et al. 2022 ("Elucidating the Design Space of Diffusion-Based
+    Generative Models"), written against the interface of the core's objectives (section 4). Data
+    x_0 noised to x = x_0 + sigma n, and the network F preconditioned (their Table 1):
+        D(x; sigma) = c_skip x + c_out F(c_in x, c_noise),  c_noise = ln(sigma) / 4,
+    with c_skip, c_out and c_in keeping F's input and target at unit variance for data of standard
+    deviation sigma_data: 0.5 for pixels in [-1, 1], as theirs, and measured for latents
+    (Dataset.sigma_data). Training draws ln(sigma) ~ N(P_MEAN, P_STD^2) and weighs the denoising
+    error by lambda(sigma) = 1 / c_out^2; sampling is Heun's method (their Algorithm 1) over the
+    rho = 7 schedule from SIGMA_MAX to SIGMA_MIN, then to 0. DiT sees c_noise mapped linearly so
+    that [SIGMA_MIN, SIGMA_MAX] spans its 0..1000; the noise level is sigma / (1 + sigma), rectified
+    flow's t at the same signal-to-noise ratio. The network predicts (B, H, W, C), without learned
+    variance."""
+    name, learn_sigma = "edm", False
+    # its samplers; by default Heun at their 18 steps (35 network calls)
+    METHODS = ("heun", "euler")
+    default_method, default_steps = "heun", 18
+    P_MEAN, P_STD, SIGMA_MIN, SIGMA_MAX, RHO = -1.2, 1.2, 0.002, 80.0, 7.0
+
+    def __init__(self, sigma_data=0.5):
+        if not sigma_data > 0:
+            raise InputError(f"EDM's sigma_data must be positive, got {sigma_data!r}")
+        self.sigma_data = float(sigma_data)
+        self.settings = {"sigma_data": self.sigma_data}
+
+    def denoise(self, model_fn, x, sigma):
+        """D(x; sigma) for x (B, H, W, C) at noise levels sigma (B,) > 0."""
+        s, sd = sigma.reshape((-1,) + (1,) * (x.ndim - 1)), self.sigma_data
+        lo, hi = np.log(self.SIGMA_MIN) / 4, np.log(self.SIGMA_MAX) / 4
+        out = model_fn(x / jnp.sqrt(s ** 2 + sd ** 2),
+                       1000 * (jnp.log(sigma) / 4 - lo) / (hi - lo))
+        if out.shape != x.shape:
+            raise ValueError(f"EDM needs the model to predict an output shaped like x {x.shape}, "
+                             f"got {out.shape}; build the DiT with learn_sigma=False")
+        return sd ** 2 / (s ** 2 + sd ** 2) * x + s * sd / jnp.sqrt(s ** 2 + sd ** 2) * out
+
+    def time_at(self, level):
+        """The sigma of a noise level: level / (1 - level)."""
+        return level / (1 - level)
+
+    def losses_at(self, model_fn, x0, sigma, noise, mask=None):
+        """Per-sample weighted denoising errors at noise levels sigma (B,) with noise like x0
+        (B, H, W, C). Returns dict(loss, level), each (B,)."""
+        s, sd = sigma.reshape((-1,) + (1,) * (x0.ndim - 1)), self.sigma_data
+        error = (self.denoise(model_fn, x0 + s * noise, sigma) - x0) ** 2
+        return {"loss": _mean_flat((s ** 2 + sd ** 2) / (s * sd) ** 2 * error, mask),
+                "level": sigma / (1 + sigma)}
+
+    def training_losses(self, model_fn, x0, key, mask=None):
+        """losses_at with log-normal sigma and standard normal noise, drawn from key."""
+        key_sigma, key_noise = jax.random.split(key)
+        sigma = jnp.exp(self.P_MEAN + self.P_STD * jax.random.normal(key_sigma, (x0.shape[0],)))
+        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
+        return self.losses_at(model_fn, x0, sigma, noise, mask)
+
+    def sample(self, model_fn, noise, key, steps, method="heun", return_trajectory=False):
+        """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from
+        SIGMA_MAX * noise (noise (B, H, W, C)) over `steps` levels of the rho = 7 schedule; key
+        unused. "heun" corrects each step but the last (to sigma = 0, where Euler's step gives
+        D(x; sigma) itself) with a second call; "euler" does not. Returns x0, or (x0, trajectory
+        (steps+1, B, H, W, C) starting with noise) when asked."""
+        if method not in self.METHODS:
+            raise ValueError(f"unknown EDM sampling method {method!r}; use "
+                             f"{' or '.join(map(repr, self.METHODS))}")
+        if not (isinstance(steps, int) and steps >= 1):
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        hi, lo = self.SIGMA_MAX ** (1 / self.RHO), self.SIGMA_MIN ** (1 / self.RHO)
+        sigmas = (hi + jnp.linspace(0.0, 1.0, steps) * (lo - hi)) ** self.RHO  # (steps,)
+        def slope(x, s):  # dx/dsigma
+            return (x - self.denoise(model_fn, x, jnp.full((x.shape[0],), s))) / s
+
+        def step(x, pair):
+            s, s_next = pair
+            d = slope(x, s)
+            x_next = x + (s_next - s) * d
+            if method == "heun":
+                x_next = x + (s_next - s) * 0.5 * (d + slope(x_next, s_next))
+            return x_next, (x_next if return_trajectory else None)
+
+        x, trajectory = jax.lax.scan(step, noise * self.SIGMA_MAX, (sigmas[:-1], sigmas[1:]))
+        x = self.denoise(model_fn, x, jnp.full((x.shape[0],), sigmas[-1]))
+        if return_trajectory:
+            return x, jnp.concatenate([noise[None], trajectory, x[None]])
+        return x
+
+
+# The objectives, by the name that --objective and the checkpoints give.
+OBJECTIVES = {objective.name: objective for objective in (RectifiedFlow, GaussianDiffusion, EDM)}
+
+
+def make_objective(name, **options):
+    """The objective called `name`, built from those of `options` that it takes: a checkpoint
+    records each objective's own (`settings`), the command line offers every objective the same."""
+    if name not in OBJECTIVES:
+        raise InputError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
+    takes = inspect.signature(OBJECTIVES[name]).parameters
+    return OBJECTIVES[name](**{k: v for k, v in options.items() if k in takes})
 
 
 #################################################################################
@@ -1639,6 +1770,18 @@ class Dataset:
     @property
     def is_latent(self) -> bool:
         return self.latent_scale is not None
+
+    @functools.cached_property
+    def sigma_data(self) -> float:
+        """The data's standard deviation, as EDM's preconditioning takes it: 0.5 for pixels in
+        [-1, 1], as Karras et al. take it; for latents, measured on up to 1,000 of them (the same
+        ones in every run)."""
+        if not self.is_latent:
+            return 0.5
+        rng = np.random.default_rng(0)
+        idx = np.sort(rng.permutation(len(self))[:1000])
+        eps = rng.standard_normal((len(idx), *self.input_shape), dtype=np.float32)
+        return float(self.inputs(idx, np.zeros(len(idx), bool), eps)[0].std())
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -2392,7 +2535,7 @@ def model_config(args, input_size, in_channels, num_classes):
     with flag(f"--patch {args.patch}"):
         return dit_config(f"{args.size}/{args.patch}", input_size=input_size,
                           in_channels=in_channels, num_classes=num_classes,
-                          learn_sigma=args.objective == "ddpm",
+                          learn_sigma=OBJECTIVES[args.objective].learn_sigma,
                           **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
 
 
@@ -2484,16 +2627,6 @@ def architecture(args):
             for k, on in ARCHS[args.arch].items()}
 
 
-def make_objective(name, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
-    """The objective called `name`: "rf", rectified flow with the given timestep distribution, or
-    "ddpm", DiT's DDPM with learned variance, which reproduces the paper exactly."""
-    if name == "ddpm":
-        return GaussianDiffusion()
-    if name == "rf":
-        return RectifiedFlow(timestep_sampling, loc, scale)
-    raise ValueError(f"unknown objective {name!r}; use 'rf' or 'ddpm'")
-
-
 def make_mesh():
     """A 1-D mesh over every device of every host, axis "data". Auto axes: jit's partitioner decides
     how each intermediate is laid out from the shardings of the inputs and outputs."""
@@ -2545,7 +2678,7 @@ def jit_train_step(graphdef, objective, tx, ema_decay, seed, mesh, shardings):
                    donate_argnums=0)
 
 
-def open_run(args, cfg, ds):
+def open_run(args, cfg, ds, objective):
     """(checkpoint to resume from or None, the run's metadata for its checkpoints, whether each host
     keeps its own copy of the run directory), with the run directory made ready: a new one records
     the run's defining settings; an existing one must hold the same run, and the temporary files
@@ -2555,8 +2688,7 @@ def open_run(args, cfg, ds):
                 "num_classes": ds.num_classes}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "latent_scale": ds.latent_scale,
-            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
-                          "loc": args.ln_loc, "scale": args.ln_scale}}
+            "objective": {"name": objective.name, **objective.settings}}
     found = list_checkpoints(args.run_dir)
     checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
     if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
@@ -2799,13 +2931,14 @@ def train(args):
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
-    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
+    objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,
+                               loc=args.ln_loc, scale=args.ln_scale, sigma_data=ds.sigma_data)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
     train_idx, held_out = hold_out(len(ds), args.val_images)
 
     # The run directory, and the state: restored from a checkpoint, or new.
     stop = Stop(args.time_limit)  # the time limit counts from here
-    checkpoint, meta, local_disks = open_run(args, cfg, ds)
+    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective)
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
@@ -2895,14 +3028,12 @@ def model_of_metadata(path, meta, arrays, dtype):
             or cfg.hidden_size % cfg.num_heads or cfg.hidden_size // cfg.num_heads % 4):
         raise refuse(f"no DiT has the configuration it records, {cfg}")
     try:
-        objective = make_objective(settings["name"], settings.get("timestep_sampling",
-                                                                  "logit_normal"),
-                                   settings.get("loc", 0.0), settings.get("scale", 1.0))
+        objective = make_objective(**settings)
     except (TypeError, KeyError, ValueError, AttributeError):
         raise refuse(f"its metadata records no objective of dit.py ({settings!r})") from None
-    if isinstance(objective, GaussianDiffusion) != cfg.learn_sigma:
-        raise refuse("its objective and its model's outputs disagree (DDPM learns the variance, "
-                     "rectified flow does not)")
+    if objective.learn_sigma != cfg.learn_sigma:
+        raise refuse(f"its objective ({objective.name}) and its model's outputs disagree on "
+                     f"learn_sigma")
     if not (scale is None or isinstance(scale, (int, float)) and scale > 0):
         raise refuse(f"its latent_scale {scale!r} is not a positive number")
     return nnx.eval_shape(lambda: DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
@@ -3111,10 +3242,7 @@ def validation_losses(model, objective, x0, y, key):
     losses = []
     for i, frac in enumerate(VAL_TIMES):
         noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
-        if isinstance(objective, GaussianDiffusion):
-            t = jnp.full(len(x0), int(frac * objective.num_timesteps))
-        else:
-            t = jnp.full(len(x0), frac)
+        t = objective.time_at(jnp.full(len(x0), frac))
         losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t, noise)["loss"])
     return jnp.stack(losses)
 
@@ -3127,7 +3255,7 @@ class Evaluator:
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
-                                    method=DEFAULT_SAMPLER[args.objective][0],
+                                    method=objective.default_method,
                                     vae=(load_decoder(args.vae, ds.input_shape[-1],
                                                       vae_dtype(args.precision))
                                          if ds.is_latent else None),
@@ -3266,8 +3394,8 @@ def bench(args):
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
-    step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, 0, mesh,
-                             shardings)
+    objective = make_objective(args.objective)
+    step_fn = jit_train_step(graphdef, objective, tx, 0.9999, 0, mesh, shardings)
     batch = NamedSharding(mesh, P("data"))
     n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (n, *shape)), batch)
@@ -3305,11 +3433,12 @@ def bench(args):
     figures = {"ms_per_step": 1000 * seconds, "images_per_s": n / seconds,
                "forward_images_per_s": n / forward_s}
     if args.fid:
-        figures["fid_seconds"] = bench_fid(args, cfg, graphdef, state["params"], mesh, shape)
+        figures["fid_seconds"] = bench_fid(args, cfg, objective, graphdef, state["params"], mesh,
+                                           shape)
     return figures
 
 
-def bench_fid(args, cfg, graphdef, params, mesh, shape):
+def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
     """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
     guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype's precision, the Inception
     statistics and features (fid.evaluate, adm protocol), Precision and Recall against N reference
@@ -3321,8 +3450,8 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
                                                    rngs=nnx.Rngs(0)))
     fid = fid_module()
     inception = random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
-    method, steps = DEFAULT_SAMPLER[args.objective]
-    sampler = Sampler(graphdef, make_objective(args.objective), mesh, steps=steps, method=method,
+    method, steps = objective.default_method, objective.default_steps
+    sampler = Sampler(graphdef, objective, mesh, steps=steps, method=method,
                       cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
     b = args.batch_size
     start = time.perf_counter()
@@ -3436,10 +3565,9 @@ def sample_command(args):
     fid = fid_module() if args.fid and args.ref else None
     reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
     model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
-    default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
-                         f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")
+                         f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
     cfg = model.cfg
     for scale in scales:
         with flag(f"--cfg-scale {scale:g}"):
@@ -3450,8 +3578,8 @@ def sample_command(args):
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
     make_sampler = functools.partial(
-        Sampler, nnx.graphdef(model), objective, mesh, steps=args.steps or default_steps,
-        method=args.sampler or default_method,
+        Sampler, nnx.graphdef(model), objective, mesh, steps=args.steps or objective.default_steps,
+        method=args.sampler or objective.default_method,
         guidance_channels=3 if args.guidance_channels == "3" else None,
         vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
              if latent_scale else None),
@@ -3524,9 +3652,9 @@ def model_options(size=None, patch=None):
                        ("rope", "2-D rotary position embeddings")]:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
                        help=f"{what} (default: as --arch says), for ablations")
-    p.add_argument("--objective", default="rf", choices=["rf", "ddpm"],
-                   help="rectified flow, or DiT's DDPM with learned variance (exact paper "
-                   "reproduction)")
+    p.add_argument("--objective", default="rf", choices=list(OBJECTIVES),
+                   help="rectified flow; DiT's DDPM with learned variance (exact paper "
+                   "reproduction); or EDM (Karras et al. 2022)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                    help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on "
                    "TPUs and NVIDIA GPUs from Ampere on, fp16 on older GPUs, fp32 on CPUs)")
@@ -3539,7 +3667,8 @@ def model_options(size=None, patch=None):
 
 
 def build_parser():
-    steps_default = f"(default: rf {DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})"
+    steps_default = "(default: " + ", ".join(f"{name} {objective.default_steps}"
+                                             for name, objective in OBJECTIVES.items()) + ")"
     # Options of the commands that load weights and may run on several hosts.
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
@@ -3636,8 +3765,9 @@ def build_parser():
                    f"a grid, {FID_CFG_SCALE:g} for --fid); with --fid, comma-separated scales "
                    f"are each sampled and scored")
     s.add_argument("--steps", type=positive_int, help=f"sampling steps {steps_default}")
-    s.add_argument("--sampler", choices=[*RectifiedFlow.METHODS, *GaussianDiffusion.METHODS],
-                   help="rf: heun (default) or euler; ddpm: ddpm (default) or ddim")
+    s.add_argument("--sampler", choices=sorted({m for o in OBJECTIVES.values() for m in o.METHODS}),
+                   help="; ".join(f"{name}: {' or '.join(o.METHODS)} (default {o.default_method})"
+                                  for name, o in OBJECTIVES.items()))
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
                    help="guide all channels, or the first 3 as the official FID figures were "
                    "computed")
@@ -3710,7 +3840,7 @@ def main(argv=None):
     if args.val_images % jax.device_count():
         raise InputError(f"--val-images {args.val_images} does not split over "
                          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
-    args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]
+    args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
     args.run_dir = (args.run_dir
                     or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))
     return train(args)
