@@ -1229,15 +1229,19 @@ def flatten(tree):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+# The arrays of a model that weight files hold: its parameters, and BatchNorm's statistics.
+WEIGHTS = nnx.Any(nnx.Param, nnx.BatchStat)
+
+
 def named_params(model):
-    """{dotted path: array} of a model's parameters, as flatten names them."""
-    return flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    """{dotted path: array} of a model's weights, as flatten names them."""
+    return flatten(nnx.to_pure_dict(nnx.state(model, WEIGHTS)))
 
 
 def set_params(model, named):
-    """Set every parameter of `model` from {dotted path: array}. The model may be abstract (built by
+    """Set every weight of `model` from {dotted path: array}. The model may be abstract (built by
     nnx.eval_shape, so that no random initialisation is computed only to be overwritten)."""
-    state = nnx.state(model, nnx.Param)
+    state = nnx.state(model, WEIGHTS)
     like = nnx.to_pure_dict(state)
     leaves = [jnp.asarray(named[name], leaf.dtype) for name, leaf in flatten(like).items()]
     nnx.replace_by_pure_dict(state, jax.tree.unflatten(jax.tree.structure(like), leaves))
@@ -1245,18 +1249,22 @@ def set_params(model, named):
     return model
 
 
+# PyTorch's name for the last part of a weight's path where ours differs.
+_TORCH_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight",
+                     "mean": "running_mean", "var": "running_var"}
+
+
 def torch_name(name):
-    """The PyTorch state-dict key of our parameter `name`: 'blocks.0.attn.qkv.kernel' ->
+    """The PyTorch state-dict key of our weight `name`: 'blocks.0.attn.qkv.kernel' ->
     'blocks.0.attn.qkv.weight'. nnx.Sequential keeps its layers under 'layers', which PyTorch
     omits."""
     parts = [part for part in name.split(".") if part != "layers"]
-    parts[-1] = {"kernel": "weight", "embedding": "weight",
-                 "scale": "weight"}.get(parts[-1], parts[-1])
+    parts[-1] = _TORCH_LEAF_NAMES.get(parts[-1], parts[-1])
     return ".".join(parts)
 
 
 def to_torch_layout(name, value):
-    """Our layout -> PyTorch's for the parameter `name`: linear kernels (in, out) -> (out, in),
+    """Our layout -> PyTorch's for the weight `name`: linear kernels (in, out) -> (out, in),
     convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in
     both."""
     if not name.endswith("kernel"):
@@ -1271,33 +1279,39 @@ def from_torch_layout(name, value):
     return value.T if value.ndim == 2 else value.transpose(2, 3, 1, 0)
 
 
-def load_state_dict(model, state_dict, what):
-    """Copy a PyTorch state dict into `model`, checking every key and shape; conversions in
-    to_torch_layout.
-
-    Keys the model lacks, and model parameters the file lacks, are errors that name them: they mean
-    the file holds another architecture. (pos_embed, the fixed table, is recomputed, not loaded.)
-    `what` names the file in messages.
-    """
+def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
+    """Copy a PyTorch state dict (numpy arrays) into `model` and return it: the one loader of the
+    official DiT's, the SD VAE's and (fid.py) the Inception's weights. Each weight is read from the
+    key torch_name gives it (or `names`, {key: our name}), in from_torch_layout's layout (a linear
+    weight that old files store as a 1x1 convolution squeezed). Weights the file lacks, keys the
+    model lacks (but those that the regular expression `skip` matches) and shapes that differ are
+    named, with `fix`: they mean the file holds another model. `what` names the file."""
     ours = named_params(model)
-    names = {torch_name(name): name for name in ours}
+    names = names or {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
-    if missing:
-        raise InputError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
-                         f"{missing[:5]}: it holds another architecture or configuration")
-    extra = set(state_dict) - set(names) - {"pos_embed"}
-    if extra:
-        raise InputError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
-                         f"holds another architecture or configuration")
+    unexpected = sorted(k for k in set(state_dict) - set(names)
+                        if not (skip and re.fullmatch(skip, k)))
+    if missing or unexpected:
+        show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
+        raise InputError(f"{what}: not the weights of this {type(model).__name__}: missing keys "
+                         f"{show(missing)}, unexpected keys {show(unexpected)}; {fix}")
     values = {}
     for key, name in names.items():
-        values[name] = from_torch_layout(name, np.asarray(state_dict[key]))
-        if values[name].shape != ours[name].shape:
-            expected = to_torch_layout(name, np.empty(ours[name].shape)).shape
-            raise InputError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
-                             f"expects {expected}: the checkpoint is from another model size or "
-                             f"configuration")
-    set_params(model, values)
+        # a broadcast zero has the shape without the memory
+        shape = to_torch_layout(name, np.broadcast_to(np.int8(0), ours[name].shape)).shape
+        value = np.asarray(state_dict[key])
+        if value.ndim == 4 and len(shape) == 2 and value.shape[2:] == (1, 1):
+            value = value[:, :, 0, 0]
+        if value.shape != shape:
+            raise InputError(f"{what}: {key} has shape {list(value.shape)}, the "
+                             f"{type(model).__name__} expects {list(shape)}; {fix}")
+        values[name] = from_torch_layout(name, value)
+    return set_params(model, values)
+
+
+# What a DiT weight file that fails load_torch_weights' checks holds. (pos_embed, the fixed table,
+# is recomputed, not loaded.)
+DIT_WEIGHTS_FIX = "it holds another model size or configuration"
 
 
 def infer_dit_config(state_dict):
@@ -1339,7 +1353,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
                              f"DiT ({type(e).__name__}: {e}); from Python, pass "
                              f"load_dit_checkpoint its DiTConfig") from None
     model = nnx.eval_shape(lambda: DiTPlus(cfg, rngs=nnx.Rngs(0), **model_kwargs))
-    load_state_dict(model, state_dict, path)
+    load_torch_weights(model, state_dict, path, DIT_WEIGHTS_FIX, skip="pos_embed")
     table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
     pos_embed = state_dict.get("pos_embed")
     if (pos_embed is None or pos_embed.shape != (1, *table.shape)
@@ -1637,43 +1651,23 @@ SD_VAE_URL = "https://huggingface.co/stabilityai/sd-vae-ft-{}/resolve/main/{}"
 
 
 def vae_torch_names(model):
-    """{diffusers name: (our name, PyTorch shape)} for every parameter of our AutoencoderKL. The
-    module tree mirrors diffusers', so the DiT loader's torch_name and to_torch_layout translate
-    each parameter; only diffusers' to_out, a ModuleList([Linear, Dropout]), adds a level."""
-    names = {}
-    for name, leaf in named_params(model).items():
-        # a broadcast zero has the shape without the memory
-        shape = to_torch_layout(name, np.broadcast_to(np.int8(0), leaf.shape)).shape
-        names[torch_name(name).replace("to_out.", "to_out.0.")] = (name, shape)
-    return names
+    """{diffusers name: our name} of every parameter of our AutoencoderKL. The module tree mirrors
+    diffusers', so torch_name translates each; only diffusers' to_out, a ModuleList([Linear,
+    Dropout]), adds a level."""
+    return {torch_name(name).replace("to_out.", "to_out.0."): name for name in named_params(model)}
 
 
 _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
 def load_vae_weights(model, tensors, source="the weight file"):
-    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, converting
-    layouts. Every parameter must be present and every tensor used; a mismatch names the keys."""
+    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, by
+    load_torch_weights."""
     tensors = {re.sub(r"(attentions\.\d+\.)(query|key|value|proj_attn)\.",
                       lambda m: m.group(1) + _OLD_ATTENTION[m.group(2)] + ".", k): v
                for k, v in tensors.items()}
-    expected = vae_torch_names(model)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
-        raise InputError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
-                         f"{show(missing)}, unexpected keys {show(unexpected)}. Is config.json the "
-                         f"one that came with these weights?")
-    values = {}
-    for key, (name, shape) in expected.items():
-        w = np.asarray(tensors[key], dtype=np.float32)
-        if w.ndim == 4 and len(shape) == 2 and w.shape[2:] == (1, 1):
-            w = w[:, :, 0, 0]  # old checkpoints stored the attention projections as 1x1 convs
-        if w.shape != shape:
-            raise InputError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
-                             f"{list(shape)}")
-        values[name] = from_torch_layout(name, w)
-    return set_params(model, values)
+    return load_torch_weights(model, tensors, source, "is config.json the one that came with "
+                              "these weights?", names=vae_torch_names(model))
 
 
 def vae_dtype(precision):
@@ -3061,7 +3055,7 @@ def load_model(path, dtype=jnp.float32):
             raise InputError(f"{path} has no model configuration in its metadata; was it written "
                              f"by `dit.py export`?") from None
         model, objective = model_of_metadata(path, meta, len(tensors), dtype)
-        load_state_dict(model, tensors, path)
+        load_torch_weights(model, tensors, path, DIT_WEIGHTS_FIX, skip="pos_embed")
         return model, objective, meta
     # The released checkpoints were trained with DDPM on SD-VAE latents.
     return (load_dit_checkpoint(path, dtype=dtype), GaussianDiffusion(),
