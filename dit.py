@@ -587,8 +587,7 @@ class GaussianDiffusion:
         self.base_timesteps = num_timesteps
         self.timestep_map = np.array(space_timesteps(num_timesteps,
                                                      timestep_respacing or str(num_timesteps)))
-        # the posterior variance at t = 0 is clipped to the one at t = 1
-        if len(self.timestep_map) < 2:
+        if len(self.timestep_map) < 2:  # the clipping below needs a step t = 1
             raise ValueError(f"a DDPM chain needs at least 2 steps, {timestep_respacing!r} gives "
                              f"{len(self.timestep_map)}")
         kept = base_alphas_cumprod[self.timestep_map]
@@ -2658,6 +2657,7 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     graphdef = nnx.graphdef(nnx.eval_shape(build))
     if checkpoint:
         state = restore_state(read_checkpoint(checkpoint)[1], abstract, shardings, checkpoint)
+        print(f"resumed {checkpoint}")
     else:
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
@@ -2936,8 +2936,6 @@ def train(args):
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
-    if checkpoint:
-        print(f"resumed {checkpoint}")
     trace = StepTrace(args.profile, start, args.steps)
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
@@ -2947,15 +2945,14 @@ def train(args):
     step_fn = jit_train_step(graphdef, objective, tx, args.ema_decay, args.seed, mesh, shardings)
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
-    # The loop: one step on every global batch, assembled from each process's share; then logging,
-    # checkpoints, sample grids and FID at their intervals. Ctrl-C, SIGTERM or the time limit end
-    # it after a whole step, at the same step on every process, with a checkpoint.
-    batch = NamedSharding(mesh, P("data"))
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
-               disable=jax.process_index() != 0)
-    stopped = None
-    with stop, Loader(ds, args.batch_size, args.seed, start, jax.process_index(),
-                      jax.process_count(), subset=train_idx) as loader:
+    # The loop: a step on each global batch, assembled from each process's share, then the records,
+    # evaluations and checkpoints at their intervals. Ctrl-C, SIGTERM or the time limit end it after
+    # a whole step, at the same step on every process, with a checkpoint.
+    batch, stopped = NamedSharding(mesh, P("data")), None
+    with (stop, tqdm(range(start, args.steps), initial=start, total=args.steps,
+                     disable=jax.process_index() != 0) as bar,
+          Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
+                 subset=train_idx) as loader):
         for step, (x, y) in zip(bar, loader):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
@@ -2968,19 +2965,12 @@ def train(args):
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-            # The checkpoint last: a run resumed from it keeps the records of its step.
-            with log.paused():
-                if done % args.sample_every == 0 or done == args.steps:
-                    evaluator.grid(state["ema"], done, log)
-                if args.val_images and (done % args.val_every == 0 or done == args.steps):
-                    evaluator.validation(state["ema"], done, log)
-                if args.fid_every and done % args.fid_every == 0:
-                    evaluator.fid(state["ema"], done, args.fid_samples, log)
+            with log.paused():  # the checkpoint last: a run resumed from it keeps its step's records
+                evaluator(state["ema"], done, log)
                 if done % args.ckpt_every == 0 or last:
                     saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks)
             if stopped:
                 break
-    bar.close()
     if stopped and jax.process_index() == 0:
         print(f"{stopped} at step {done} of {args.steps}: saved {saved}"
               f"{' (on every host)' if local_disks else ''}; the same command continues from there")
@@ -3014,11 +3004,14 @@ def model_of_metadata(path, meta, arrays, dtype):
     if not (isinstance(config, dict)
             and all(k in fields and isinstance(v, fields[k]) for k, v in config.items())):
         raise refuse("its metadata holds no DiT configuration")
-    cfg = DiTConfig(**config)
+    try:
+        cfg = DiTConfig(**config)  # which refuses a patch size that does not divide the input
+    except (InputError, ArithmeticError) as e:  # ArithmeticError: a patch size of 0
+        raise refuse(f"no DiT has the configuration it records ({e})") from None
     sizes = (cfg.input_size, cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.num_heads)
     if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
             or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
-            or cfg.input_size % cfg.patch_size or cfg.hidden_size % 4
+            or cfg.hidden_size % 4
             or cfg.hidden_size % cfg.num_heads or cfg.hidden_size // cfg.num_heads % 4):
         raise refuse(f"no DiT has the configuration it records, {cfg}")
     try:
@@ -3281,6 +3274,16 @@ class Evaluator:
                         jax.make_array_from_process_local_data(batch, y[rows], y.shape))
             self.val_fn = jax.jit(lambda params, x, y: validation_losses(
                 nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1))
+
+    def __call__(self, params, step, log):
+        """The evaluations due after step `step` of the run: grid, validation loss, FID."""
+        args = self.args
+        if step % args.sample_every == 0 or step == args.steps:
+            self.grid(params, step, log)
+        if args.val_images and (step % args.val_every == 0 or step == args.steps):
+            self.validation(params, step, log)
+        if args.fid_every and step % args.fid_every == 0:
+            self.fid(params, step, args.fid_samples, log)
 
     def validation(self, params, step, log):
         """The validation loss at each of VAL_TIMES and its mean, into the log."""
@@ -3733,7 +3736,7 @@ def build_parser():
                    "(default: --sample-every)")
     t.add_argument("--sample-steps", type=positive_int,
                    help=f"sampling steps of the grids and FID {steps_default}")
-    t.add_argument("--cfg-scale", type=float, default=4.0,
+    t.add_argument("--cfg-scale", type=float, default=GRID_CFG_SCALE,
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=non_negative_int, default=0,
                    help="FID every N steps (0: never)")
