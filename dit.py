@@ -798,27 +798,36 @@ class RectifiedFlow:
         (Karras et al. 2022, alg. 1), two calls per step, including the last one, since the
         velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H,
         W, C) starting with noise) when asked."""
-        if method not in self.METHODS:
-            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use "
-                             f"{' or '.join(map(repr, self.METHODS))}")
-        if not (isinstance(steps, int) and steps >= 1):
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
-        times = jnp.linspace(1.0, 0.0, steps + 1)
+        check_sampler(self, steps, method)
+        v = lambda x, t: self._velocity(model_fn, x, jnp.full((x.shape[0],), t))  # noqa: E731
+        x, trajectory = integrate(v, noise, jnp.linspace(1.0, 0.0, steps + 1), method,
+                                  return_trajectory)
+        return (x, jnp.concatenate([noise[None], trajectory])) if return_trajectory else x
 
-        def step(x, t_pair):
-            t, t_next = t_pair
-            dt = t_next - t  # negative: we integrate backwards in time
-            v = self._velocity(model_fn, x, jnp.full((x.shape[0],), t))
-            x_next = x + dt * v
-            if method == "heun":
-                v_next = self._velocity(model_fn, x_next, jnp.full((x.shape[0],), t_next))
-                x_next = x + dt * 0.5 * (v + v_next)
-            return x_next, (x_next if return_trajectory else None)
 
-        x, trajectory = jax.lax.scan(step, noise, (times[:-1], times[1:]))
-        if return_trajectory:
-            return x, jnp.concatenate([noise[None], trajectory])
-        return x
+def check_sampler(objective, steps, method):
+    """A ValueError unless `method` is one of the objective's METHODS and `steps` a positive int."""
+    if method not in objective.METHODS:
+        raise ValueError(f"unknown {objective.name} sampling method {method!r}; use "
+                         f"{' or '.join(map(repr, objective.METHODS))}")
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+
+
+def integrate(f, x, times, method, return_trajectory=False):
+    """Integrate dx/dt = f(x, t) from x at times[0] through `times` (K+1,): "euler", one call of f
+    per step, or "heun", Heun's second-order method (Karras et al. 2022, alg. 1), which corrects
+    each Euler step with f at its end. Returns (x at times[-1], the trajectory (K, ...) after each
+    step when asked, else None)."""
+    def step(x, t_pair):
+        t, t_next = t_pair
+        d = f(x, t)
+        x_next = x + (t_next - t) * d
+        if method == "heun":
+            x_next = x + (t_next - t) * 0.5 * (d + f(x_next, t_next))
+        return x_next, (x_next if return_trajectory else None)
+
+    return jax.lax.scan(step, x, (times[:-1], times[1:]))
 
 
 #################################################################################
@@ -1117,26 +1126,13 @@ class EDM:
         unused. "heun" corrects each step but the last (to sigma = 0, where Euler's step gives
         D(x; sigma) itself) with a second call; "euler" does not. Returns x0, or (x0, trajectory
         (steps+1, B, H, W, C) starting with noise) when asked."""
-        if method not in self.METHODS:
-            raise ValueError(f"unknown EDM sampling method {method!r}; use "
-                             f"{' or '.join(map(repr, self.METHODS))}")
-        if not (isinstance(steps, int) and steps >= 1):
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        check_sampler(self, steps, method)
         hi, lo = self.SIGMA_MAX ** (1 / self.RHO), self.SIGMA_MIN ** (1 / self.RHO)
         sigmas = (hi + jnp.linspace(0.0, 1.0, steps) * (lo - hi)) ** self.RHO  # (steps,)
-        def slope(x, s):  # dx/dsigma
-            return (x - self.denoise(model_fn, x, jnp.full((x.shape[0],), s))) / s
-
-        def step(x, pair):
-            s, s_next = pair
-            d = slope(x, s)
-            x_next = x + (s_next - s) * d
-            if method == "heun":
-                x_next = x + (s_next - s) * 0.5 * (d + slope(x_next, s_next))
-            return x_next, (x_next if return_trajectory else None)
-
-        x, trajectory = jax.lax.scan(step, noise * self.SIGMA_MAX, (sigmas[:-1], sigmas[1:]))
-        x = self.denoise(model_fn, x, jnp.full((x.shape[0],), sigmas[-1]))
+        denoise = lambda x, s: self.denoise(model_fn, x, jnp.full((x.shape[0],), s))  # noqa: E731
+        slope = lambda x, s: (x - denoise(x, s)) / s  # noqa: E731  dx/dsigma
+        x, trajectory = integrate(slope, noise * self.SIGMA_MAX, sigmas, method, return_trajectory)
+        x = denoise(x, sigmas[-1])
         if return_trajectory:
             return x, jnp.concatenate([noise[None], trajectory, x[None]])
         return x
@@ -2965,7 +2961,7 @@ def train(args):
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-            with log.paused():  # the checkpoint last: a run resumed from it keeps its step's records
+            with log.paused():  # the checkpoint last: a run resumed from it keeps its records
                 evaluator(state["ema"], done, log)
                 if done % args.ckpt_every == 0 or last:
                     saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks)

@@ -870,7 +870,7 @@ def test_rf_rejects_bad_input():
         rf.training_losses(learned_sigma_model, x, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="learn_sigma=False"):
         rf.sample(learned_sigma_model, x, None, 2)
-    with pytest.raises(ValueError, match="'euler' or 'heun'"):
+    with pytest.raises(ValueError, match="unknown rf sampling method 'rk4'; use 'euler' or 'heun'"):
         rf.sample(rf_exact_velocity, x, None, 2, method="rk4")
     with pytest.raises(ValueError, match="positive int"):
         rf.sample(rf_exact_velocity, x, None, 0)
