@@ -6,22 +6,24 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
 The file is a book in three parts. Part I is DiT itself: the paper's model, its objectives and their
-samplers, pure functions and modules with no file input or output; a reader can stop at its end.
-Part II opens with what the model adds to the paper, then the harness that feeds and drives it.
+samplers, pure functions and modules with no file input or output, using no name defined after it;
+a reader can stop at its end. Part II opens with what the harness's model (DiTPlus) and objectives
+add to the paper, then the harness that feeds and drives them.
 Part III reads the files that come from outside, checking every claim they make.
 
     Part I: the core
-      1. Configuration                    the model sizes of the paper
+      1. Configuration                    the model sizes of the paper; InputError
       2. Embeddings                       timesteps, class labels, patch positions
       3. The DiT model                    patchify, adaLN-Zero blocks, the linear decoder, guidance
       4. DDPM                             the paper's objective and samplers, as the official code
       5. Rectified flow                   straight paths from data to noise, Euler and Heun
-      6. The training step                AdamW, EMA: one jit-able step of the objective
+      6. The training step                loss, gradients, AdamW, EMA: one jit-able step
       7. Sampling                         noise and labels in, samples out
     Part II: the harness
          DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
+         EDM                              a third objective; OBJECTIVES, the one list of them
          Memory and speed                 recomputation, fused attention, float32 matrix products
-      8. Weight files                     official PyTorch checkpoints, safetensors
+      8. Weight files                     PyTorch state dicts (DiT, VAE, Inception), safetensors
       9. The autoencoder                  the Stable Diffusion VAE that maps images to latents
      10. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
      11. Checkpoints                      atomic saves, exact resume on any number of devices
@@ -925,8 +927,8 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                              PART II: THE HARNESS                             #
 #                                                                               #
 #################################################################################
-# First what the model adds to the paper: the switches of DiT+, and what makes it fast and fit in
-# memory. Then everything that connects the core to the world: weight files, the autoencoder,
+# First what the model adds to the paper: the switches of DiT+, the objective EDM, and what makes it
+# fast and fit in memory. Then everything that connects the core to the world: weight files, the autoencoder,
 # datasets, checkpoints, the training loop over devices and hosts, evaluation, the benchmark, the
 # command line.
 
