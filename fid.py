@@ -371,9 +371,9 @@ def load_inception(path=None, cache_dir=None):
         raise dit.InputError(f"{path}: sha256 {digest} differs from the official "
                              f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
                              f"and run again to download it afresh")
-    converted = os.path.join(cache_dir, f"inception-{digest[:16]}-state-dict.npz")
-    if os.path.exists(converted):
-        inception = _inception_with(dit.read_npz(converted), path)
+    cached = os.path.join(cache_dir, f"inception-{digest[:16]}-state-dict.npz")
+    if os.path.exists(cached):
+        inception = _inception_with(dit.read_npz(cached), path)
     else:
         state_dict = dit.load_torch(path)
         inception = _inception_with(state_dict, path)  # checks the weights before they are cached
@@ -381,7 +381,7 @@ def load_inception(path=None, cache_dir=None):
             os.makedirs(cache_dir, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
                 np.savez(f, **state_dict)
-            os.replace(f.name, converted)
+            os.replace(f.name, cached)
         except OSError as e:
             warnings.warn(f"could not cache the Inception weights in {cache_dir} ({e}); they "
                           f"will be read from {path} again next time")
