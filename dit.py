@@ -48,7 +48,6 @@ import functools
 import gzip
 import hashlib
 import http.client
-import inspect
 import io
 import itertools
 import json
@@ -466,11 +465,11 @@ def count_params(model):
 # model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
 #
 # And both answer the rest of the code through one interface of their own: `name` (what checkpoints
-# record, with `settings`, the arguments that rebuild it), `learn_sigma` (whether the model's output
-# channels are doubled), their samplers METHODS with a default method and step count,
-# training_losses and losses_at (per-sample losses (B,) and each sample's noise level, a fraction
-# in [0, 1] mapped from the objective's own time; `time_at` maps it back), and
-# sample(model_fn, noise, key, steps, method). `mask`, weights broadcastable to the per-element loss
+# record, with the SETTINGS that rebuild it), `learn_sigma` (whether the model's output channels are
+# doubled), their samplers METHODS with a default method and step count, training_losses and
+# losses_at (per-sample losses (B,) and each sample's noise level, a fraction in [0, 1] mapped from
+# the objective's own time; `time_at` maps it back), and sample(model_fn, noise, key, steps,
+# method). `mask`, weights broadcastable to the per-element loss
 # (B, H, W, C), restricts each loss to the masked elements; None is all of them.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
@@ -573,7 +572,7 @@ class GaussianDiffusion:
     respaced) chain; the network always sees the original timestep, timestep_map[t], which is what
     it was trained on. All schedule constants are float64 numpy arrays, as in the official code."""
 
-    name, learn_sigma, settings = "ddpm", True, {}
+    name, learn_sigma, SETTINGS = "ddpm", True, ()
     METHODS = ("ddpm", "ddim")  # its samplers; the paper's: ancestral sampling over 250 steps
     default_method, default_steps = "ddpm", 250
 
@@ -744,7 +743,7 @@ class RectifiedFlow:
     on [0, 1). The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the
     velocity (B, H, W, C): build the DiT with learn_sigma=False."""
 
-    name, learn_sigma = "rf", False
+    name, learn_sigma, SETTINGS = "rf", False, ("timestep_sampling", "loc", "scale")
     # Its samplers; by default Heun at 25 steps, 50 network calls, second order (test_dit.py's
     # Gaussian case: at equal steps its error is below half of Euler's)
     METHODS = ("euler", "heun")
@@ -757,8 +756,6 @@ class RectifiedFlow:
         if not scale > 0:
             raise InputError(f"the logit-normal scale must be positive, got {scale!r}")
         self.timestep_sampling, self.loc, self.scale = timestep_sampling, float(loc), float(scale)
-        self.settings = {"timestep_sampling": timestep_sampling, "loc": self.loc,
-                         "scale": self.scale}
 
     def sample_timesteps(self, key, n):
         """n training times in [0, 1), float32 (n,)."""
@@ -928,9 +925,9 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                                                                               #
 #################################################################################
 # First what the model adds to the paper: the switches of DiT+, the objective EDM, and what makes it
-# fast and fit in memory. Then everything that connects the core to the world: weight files, the autoencoder,
-# datasets, checkpoints, the training loop over devices and hosts, evaluation, the benchmark, the
-# command line.
+# fast and fit in memory. Then everything that connects the core to the world: weight files, the
+# autoencoder, datasets, checkpoints, the training loop over devices and hosts, evaluation, the
+# benchmark, the command line.
 
 #################################################################################
 #                      DiT+: the switches beyond the paper                      #
@@ -1080,7 +1077,7 @@ class EDM:
     that [SIGMA_MIN, SIGMA_MAX] spans its 0..1000; the noise level is sigma / (1 + sigma), rectified
     flow's t at the same signal-to-noise ratio. The network predicts (B, H, W, C), without learned
     variance."""
-    name, learn_sigma = "edm", False
+    name, learn_sigma, SETTINGS = "edm", False, ("sigma_data",)
     # its samplers; by default Heun at their 18 steps (35 network calls)
     METHODS = ("heun", "euler")
     default_method, default_steps = "heun", 18
@@ -1090,7 +1087,6 @@ class EDM:
         if not sigma_data > 0:
             raise InputError(f"EDM's sigma_data must be positive, got {sigma_data!r}")
         self.sigma_data = float(sigma_data)
-        self.settings = {"sigma_data": self.sigma_data}
 
     def denoise(self, model_fn, x, sigma):
         """D(x; sigma) for x (B, H, W, C) at noise levels sigma (B,) > 0."""
@@ -1145,12 +1141,18 @@ OBJECTIVES = {objective.name: objective for objective in (RectifiedFlow, Gaussia
 
 
 def make_objective(name, **options):
-    """The objective called `name`, built from those of `options` that it takes: a checkpoint
-    records each objective's own (`settings`), the command line offers every objective the same."""
+    """The objective called `name`, built from those of `options` that are its SETTINGS: a
+    checkpoint records each objective's own (objective_record), the command line offers every
+    objective the same, and a file's other claims are not arguments of anything."""
     if name not in OBJECTIVES:
         raise InputError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
-    takes = inspect.signature(OBJECTIVES[name]).parameters
-    return OBJECTIVES[name](**{k: v for k, v in options.items() if k in takes})
+    return OBJECTIVES[name](**{k: v for k, v in options.items() if k in OBJECTIVES[name].SETTINGS})
+
+
+def objective_record(objective):
+    """What a checkpoint records of an objective: its name and SETTINGS, make_objective's
+    arguments."""
+    return {"name": objective.name, **{k: getattr(objective, k) for k in objective.SETTINGS}}
 
 
 #################################################################################
@@ -2680,7 +2682,7 @@ def open_run(args, cfg, ds, objective):
                 "num_classes": ds.num_classes}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "latent_scale": ds.latent_scale,
-            "objective": {"name": objective.name, **objective.settings}}
+            "objective": objective_record(objective)}
     found = list_checkpoints(args.run_dir)
     checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
     if args.resume and not (checkpoint and os.path.isfile(checkpoint)):

@@ -967,6 +967,19 @@ def test_masked_losses_count_the_masked_elements_only():
                                       whole)
 
 
+def test_objectives_are_rebuilt_from_their_records_only():
+    """A checkpoint records an objective's name and SETTINGS; make_objective rebuilds it from those
+    alone, so that a record claiming other arguments (a chain of 10**12 steps) cannot make it
+    allocate anything."""
+    for objective in (RectifiedFlow("uniform", 0.5, 2.0), GaussianDiffusion(), dit.EDM(0.7)):
+        record = dit.objective_record(objective)
+        rebuilt = dit.make_objective(**record, num_timesteps=10 ** 12, timestep_respacing="ddim5")
+        assert type(rebuilt) is type(objective) and dit.objective_record(rebuilt) == record
+    assert dit.make_objective("ddpm", num_timesteps=10 ** 12).num_timesteps == 1000
+    with pytest.raises(dit.InputError, match="unknown objective 'vdm'"):
+        dit.make_objective("vdm")
+
+
 @slow
 def test_edm_trains_resumes_and_samples(tmp_path, folder_data):
     """`--objective edm` through the command line: a run resumed at step 3 ends where an
