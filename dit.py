@@ -1168,7 +1168,7 @@ def objective_record(objective):
 # alike have equal graphdefs
 recomputed = functools.cache(jax.checkpoint)
 
-# What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
+# What the backward pass recomputes instead of keeping, per block, for DiTPlus's `remat`. "dots" keeps
 # the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
 # norms, modulations, activations and attention from them: little extra compute for half the memory
 # of keeping everything (10 numbers per token and hidden unit instead of 20). "full" keeps only each
@@ -3217,8 +3217,8 @@ def evaluate_samples(images, ref, inception):
     return fid_module().evaluate(share, ref=ref, inception=inception)
 
 
-# The times (fractions of the way from data to noise) at which the validation loss is measured: the
-# centres of the LOSS_BINS ranges.
+# The noise levels (the objective's, in [0, 1]) at which the validation loss is measured: the centres
+# of the LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
