@@ -687,6 +687,7 @@ class GaussianDiffusion:
     def sample(self, model_fn, noise, key, steps, method="ddpm", return_trajectory=False):
         """Sample on the chain of `steps` evenly spaced timesteps (official respacing: "250" for
         ancestral sampling, "ddim250" for DDIM), which walk() walks."""
+        check_sampler(self, steps, method)
         chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps),
                                   self.base_timesteps)
         return chain.walk(model_fn, noise, key, method, return_trajectory)

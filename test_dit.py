@@ -732,6 +732,10 @@ def test_ddpm_rejects_bad_input():
         diffusion.walk(ddpm_exact_model(0.0), x, method="ddpm")
     with pytest.raises(ValueError, match="'ddpm' or 'ddim'"):
         diffusion.walk(ddpm_exact_model(0.0), x, jax.random.PRNGKey(0), method="plms")
+    with pytest.raises(ValueError, match="unknown ddpm sampling method 'heun'"):
+        diffusion.sample(ddpm_exact_model(0.0), x, None, 10, "heun")
+    with pytest.raises(ValueError, match="positive int"):
+        diffusion.sample(ddpm_exact_model(0.0), x, None, 0, "ddim")
 
 
 @pytest.fixture(scope="module")
