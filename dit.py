@@ -854,12 +854,12 @@ def new_train_state(model, tx):
             "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
 
 
-def gradient(loss_fn, state):
+def loss_gradient(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux."""
     return jax.grad(loss_fn, has_aux=True)(state["params"])
 
 
-def make_train_step(graphdef, objective, tx, ema_decay, seed, gradient=gradient):
+def make_train_step(graphdef, objective, tx, ema_decay, seed, gradient=loss_gradient):
     """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
     the metrics being the mean loss, the gradient's norm and the per-sample `losses` of the
     objective. `gradient` computes the gradients from the loss (the harness scales float16's).
