@@ -560,6 +560,17 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
                      jnp.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
+def check_output(objective, out, x):
+    """The channels C of x (B, H, W, C), after a ValueError unless the model's output `out` has
+    the objective's channels: 2C under learned variance, else C."""
+    C = x.shape[-1]
+    if out.shape != x.shape[:-1] + ((2 if objective.learn_sigma else 1) * C,):
+        raise ValueError(f"the objective {objective.name} needs the model's output for x of shape "
+                         f"{x.shape} to have {2 * C if objective.learn_sigma else C} channels, got "
+                         f"{out.shape}; build the DiT with learn_sigma={objective.learn_sigma}")
+    return C
+
+
 class GaussianDiffusion:
     """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT
     trains it: linear betas, epsilon prediction, loss = MSE(eps) + VLB, where the VLB term only
@@ -631,12 +642,7 @@ class GaussianDiffusion:
         no clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the
         log-variance between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal
         eq. 15). Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
-        C = x.shape[-1]
-        if model_out.shape != x.shape[:-1] + (2 * C,):
-            raise ValueError(f"GaussianDiffusion needs the model to predict eps and variance, "
-                             f"shape {x.shape[:-1] + (2 * C,)} for x of shape {x.shape}, got "
-                             f"{model_out.shape}; build the DiT with learn_sigma=True (or use "
-                             f"RectifiedFlow for learn_sigma=False)")
+        C = check_output(self, model_out, x)
         eps, var_values = model_out[..., :C], model_out[..., C:]
         min_log = _extract(self.posterior_log_variance_clipped, t_index, x.ndim)
         max_log = _extract(np.log(self.betas), t_index, x.ndim)
@@ -767,10 +773,7 @@ class RectifiedFlow:
     def _velocity(self, model_fn, x, t):
         """The network's velocity at x (B, H, W, C) and times t (B,) in [0, 1]."""
         v = model_fn(x, 1000.0 * t)
-        if v.shape != x.shape:
-            raise ValueError(f"RectifiedFlow needs the model to predict a velocity shaped like x "
-                             f"{x.shape}, got {v.shape}; build the DiT with learn_sigma=False "
-                             f"(learned variance is DDPM's)")
+        check_output(self, v, x)
         return v
 
     def time_at(self, level):
@@ -1095,9 +1098,7 @@ class EDM:
         lo, hi = np.log(self.SIGMA_MIN) / 4, np.log(self.SIGMA_MAX) / 4
         out = model_fn(x / jnp.sqrt(s ** 2 + sd ** 2),
                        1000 * (jnp.log(sigma) / 4 - lo) / (hi - lo))
-        if out.shape != x.shape:
-            raise ValueError(f"EDM needs the model to predict an output shaped like x {x.shape}, "
-                             f"got {out.shape}; build the DiT with learn_sigma=False")
+        check_output(self, out, x)
         return sd ** 2 / (s ** 2 + sd ** 2) * x + s * sd / jnp.sqrt(s ** 2 + sd ** 2) * out
 
     def time_at(self, level):
@@ -1169,12 +1170,12 @@ def objective_record(objective):
 # alike have equal graphdefs
 recomputed = functools.cache(jax.checkpoint)
 
-# What the backward pass recomputes instead of keeping, per block, for DiTPlus's `remat`. "dots" keeps
-# the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
-# norms, modulations, activations and attention from them: little extra compute for half the memory
-# of keeping everything (10 numbers per token and hidden unit instead of 20). "full" keeps only each
-# block's input and recomputes the whole block: a third more compute, for models that fit no other
-# way.
+# What the backward pass recomputes instead of keeping, per block, under DiTPlus's `remat`. "dots"
+# keeps the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and
+# recomputes the norms, modulations, activations and attention from them: little extra compute for
+# half the memory of keeping everything (10 numbers per token and hidden unit instead of 20). "full"
+# keeps only each block's input and recomputes the whole block: a third more compute, for models
+# that fit no other way.
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 
 
@@ -3218,8 +3219,8 @@ def evaluate_samples(images, ref, inception):
     return fid_module().evaluate(share, ref=ref, inception=inception)
 
 
-# The noise levels (the objective's, in [0, 1]) at which the validation loss is measured: the centres
-# of the LOSS_BINS ranges.
+# The noise levels (in [0, 1]) at which the validation loss is measured: the centres of the
+# LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
