@@ -6,34 +6,35 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
 The file is a book in three parts. Part I is DiT itself: the paper's model, its objectives and their
-samplers, pure functions and modules with no file input or output; a reader can stop at its end.
-Part II opens with what the model adds to the paper, then the harness that feeds and drives it.
+samplers, pure functions and modules with no file input or output, using no name defined after it;
+a reader can stop at its end. Part II opens with what the harness's model (DiTPlus) and objectives
+add to the paper, then the harness that feeds and drives them.
 Part III reads the files that come from outside, checking every claim they make.
 
     Part I: the core
-      1. Configuration                    the model sizes of the paper
+      1. Configuration                    the model sizes of the paper; InputError
       2. Embeddings                       timesteps, class labels, patch positions
       3. The DiT model                    patchify, adaLN-Zero blocks, the linear decoder, guidance
       4. DDPM                             the paper's objective and samplers, as the official code
       5. Rectified flow                   straight paths from data to noise, Euler and Heun
-      6. The training step                AdamW, EMA: one jit-able step of the objective
+      6. The training step                loss, gradients, AdamW, EMA: one jit-able step
       7. Sampling                         noise and labels in, samples out
     Part II: the harness
          DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
+         EDM                              a third objective; OBJECTIVES, the one list of them
          Memory and speed                 recomputation, fused attention, float32 matrix products
-      8. Weight files                     official PyTorch checkpoints, safetensors
+      8. Weight files                     PyTorch state dicts (DiT, VAE, Inception), safetensors
       9. The autoencoder                  the Stable Diffusion VAE that maps images to latents
      10. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
      11. Checkpoints                      atomic saves, exact resume on any number of devices
      12. The training loop                the mesh, the run directory, train()
      13. Sampling and evaluation          grids, FID samples, weights from any file
      14. Benchmark                        images/s, MFU and memory
-     15. Command line                     python dit.py [train|sample|export|bench]
+     15. Command line                     python dit.py [train|sample|export|bench], one-line errors
     Part III: files from outside
-     16. Errors the user can fix          one line, `error: ...`, in a shell and in a notebook
-     17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
-     18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
-     19. JSON and downloads               checked JSON, verified downloads
+     16. Pickles and PyTorch files        a restricted unpickler; torch files without torch
+     17. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
+     18. JSON and downloads               checked JSON, verified downloads
 
 Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
 call main(["--size", "S", ...]) with the same arguments.
@@ -112,6 +113,33 @@ DIT_SIZES = {
 }
 
 
+# A mistake of the user's (a bad argument, file or folder) is an InputError, which the command lines
+# print as one line; any other exception is a bug and keeps its traceback.
+
+class InputError(ValueError):
+    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
+
+    The message names it and says what to do. The command lines (run_cli) print that message
+    alone, on one line and without a traceback; any other exception is a bug and keeps its
+    traceback. A ValueError, so that code catching bad values catches these too.
+    """
+
+    def _render_traceback_(self):
+        """What IPython and Jupyter show of it in place of a traceback: the same one line."""
+        return [one_line(self)]
+
+
+def one_line(e):
+    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
+    missing file, a full disk)."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
+    else:
+        message = str(e)
+    # A message can quote another library's error text, which may span lines.
+    return "error: " + " ".join(message.splitlines())
+
+
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
     """Architecture of a DiT. The defaults are DiT-XL/2 on 256x256 images (32x32x4 latents)."""
@@ -125,8 +153,8 @@ class DiTConfig:
     class_dropout_prob: float = 0.1  # > 0 adds the null label that classifier-free guidance needs
     num_classes: int = 1000          # 0 trains an unconditional model
     learn_sigma: bool = True         # DDPM with learned variance doubles the output channels
-    # DiT+: changes that later work found to help at DiT's scale, each on its own switch (built at
-    # the start of Part II); all off is the paper's DiT, and ARCHS names the set that the README's
+    # DiT+: changes that later work found to help at DiT's scale, each on its own switch, which
+    # DiTPlus reads (Part II); all off is the paper's DiT, and ARCHS names the set that the README's
     # ablation kept.
     qk_norm: bool = False            # RMSNorm on each head's queries and keys
     rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
@@ -134,9 +162,9 @@ class DiTConfig:
     rope: bool = False               # 2-D rotary position embeddings, beside the sin-cos table
 
     def __post_init__(self):
-        if self.input_size % self.patch_size:  # InputError: a mistake the user can fix, one line
-            raise InputError(f"the patch size (--patch {self.patch_size}) does not divide the "
-                             f"input size {self.input_size}; choose a patch size that does")
+        if self.input_size % self.patch_size:
+            raise InputError(f"the patch size {self.patch_size} does not divide the input size "
+                             f"{self.input_size}; choose a patch size that does")
 
     @property
     def grid(self):
@@ -146,11 +174,6 @@ class DiTConfig:
     @property
     def out_channels(self):
         return 2 * self.in_channels if self.learn_sigma else self.in_channels
-
-    @property
-    def plus(self):
-        """Whether a DiT+ switch is on."""
-        return self.qk_norm or self.rms_norm or self.swiglu or self.rope
 
 
 # The named architectures: the paper's DiT, and DiT+ with the changes that the README's ablation
@@ -250,7 +273,6 @@ def modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-@jax.checkpoint  # recomputed in the backward pass: see "Memory and speed" (Part II)
 def layer_norm(x, eps=1e-6):
     """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
     Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much
@@ -259,12 +281,6 @@ def layer_norm(x, eps=1e-6):
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-
-
-@jax.checkpoint  # recomputed in the backward pass, as layer_norm
-def gelu(x):
-    """The tanh-approximated GELU of the official Mlp."""
-    return jax.nn.gelu(x, approximate=True)
 
 
 def adaln_zero(dim, n, *, dtype, rngs):
@@ -306,19 +322,24 @@ class Attention(nnx.Module):
         return self.proj(self.attend(q, k, v).reshape(B, T, D))
 
     def attend(self, q, k, v):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
-        return jax.nn.dot_product_attention(
-            q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
+        return jax.nn.dot_product_attention(q, k, v)
+
+
+def gelu(x):
+    """The tanh-approximated GELU of the official Mlp."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 class Mlp(nnx.Module):
-    """The transformer's feed-forward layer: Linear, tanh-approximated GELU, Linear."""
+    """The transformer's feed-forward layer: Linear, GELU, Linear."""
 
     def __init__(self, dim, hidden, *, dtype, rngs):
         self.fc1 = nnx.Linear(dim, hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
+        self.act = gelu
         self.fc2 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
-        return self.fc2(gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class DiTBlock(nnx.Module):
@@ -366,21 +387,19 @@ class DiT(nnx.Module):
     noise (and the variance values, when learn_sigma) under DDPM.
 
     `dtype` is the compute dtype (bfloat16 or float16 for mixed precision); parameters stay
-    float32. `remat`, a key of REMAT_POLICIES or None, recomputes activations in the backward pass
-    instead of keeping them, for the memory that large models need.
+    float32. DiTPlus (Part II) builds the blocks of DiT+ in place of Block and Final.
     """
+    Block, Final = DiTBlock, FinalLayer
 
-    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
-        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
         D = cfg.hidden_size
         self.x_embedder = PatchEmbed(cfg.in_channels, D, cfg.patch_size, dtype=dtype, rngs=rngs)
         self.t_embedder = TimestepEmbedder(D, dtype=dtype, rngs=rngs)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob, rngs=rngs)
-        # the paper's block and final layer, or DiT+'s (Part II) when one of its switches is on
-        Block, Final = (DiTPlusBlock, DiTPlusFinalLayer) if cfg.plus else (DiTBlock, FinalLayer)
-        self.blocks = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
-        self.final_layer = Final(cfg, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([self.Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
+        self.final_layer = self.Final(cfg, dtype=dtype, rngs=rngs)
 
     def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C)
         g, p = self.cfg.grid, self.cfg.patch_size
@@ -391,15 +410,14 @@ class DiT(nnx.Module):
         """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
         model is unconditional). `drop_key` turns on the random label dropout of training."""
         cfg = self.cfg
-        with matmul_precision(self.dtype):
-            x = self.x_embedder(x.astype(self.dtype))                # (B, T, D)
-            x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), self.dtype)
-            c = self.t_embedder(t)                                   # (B, D)
-            if cfg.num_classes:
-                c = c + self.y_embedder(y, drop_key)
-            for block in self.blocks:  # block(x, c), recomputed in the backward pass under remat
-                x = checkpoint_call(DiTBlock.__call__, block, x, c, remat=self.remat)
-            x = self.final_layer(x, c)                               # (B, T, p*p*C_out)
+        x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
+        x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), self.dtype)
+        c = self.t_embedder(t)                                       # (B, D)
+        if cfg.num_classes:
+            c = c + self.y_embedder(y, drop_key)
+        for block in self.blocks:
+            x = block(x, c)                                          # (B, T, D)
+        x = self.final_layer(x, c)                                   # (B, T, p*p*C_out)
         return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
@@ -446,6 +464,14 @@ def count_params(model):
 # (B,) float32 timesteps on DiT's 0..1000 scale. Class labels and classifier-free guidance are
 # closed over by the caller, e.g.
 # model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
+#
+# And both answer the rest of the code through one interface of their own: `name` (what checkpoints
+# record, with the SETTINGS that rebuild it), `learn_sigma` (whether the model's output channels are
+# doubled), their samplers METHODS with a default method and step count, training_losses and
+# losses_at (per-sample losses (B,) and each sample's noise level, a fraction in [0, 1] mapped from
+# the objective's own time; `time_at` maps it back), and sample(model_fn, noise, key, steps,
+# method). `mask`, weights broadcastable to the per-element loss
+# (B, H, W, C), restricts each loss to the masked elements; None is all of them.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
@@ -499,9 +525,14 @@ def _extract(table, t, ndim):
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
 
-def _mean_flat(x):
-    """Mean over every axis but the batch axis: (B, ...) -> (B,)."""
-    return jnp.mean(x, axis=tuple(range(1, x.ndim)))
+def _mean_flat(x, mask=None):
+    """Mean over every axis but the batch axis: (B, ...) -> (B,); with mask, weights broadcastable
+    to x, the weighted mean (over the masked elements only, for a mask of 0s and 1s)."""
+    axes = tuple(range(1, x.ndim))
+    if mask is None:
+        return jnp.mean(x, axis=axes)
+    mask = jnp.broadcast_to(mask, x.shape)
+    return jnp.sum(x * mask, axes) / jnp.maximum(jnp.sum(mask, axes), jnp.finfo(jnp.float32).tiny)
 
 
 def _normal_kl(mean1, logvar1, mean2, logvar2):
@@ -530,6 +561,17 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
                      jnp.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
+def check_output(objective, out, x):
+    """The channels C of x (B, H, W, C), after a ValueError unless the model's output `out` has
+    the objective's channels: 2C under learned variance, else C."""
+    C = x.shape[-1]
+    if out.shape != x.shape[:-1] + ((2 if objective.learn_sigma else 1) * C,):
+        raise ValueError(f"the objective {objective.name} needs the model's output for x of shape "
+                         f"{x.shape} to have {2 * C if objective.learn_sigma else C} channels, got "
+                         f"{out.shape}; build the DiT with learn_sigma={objective.learn_sigma}")
+    return C
+
+
 class GaussianDiffusion:
     """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT
     trains it: linear betas, epsilon prediction, loss = MSE(eps) + VLB, where the VLB term only
@@ -542,7 +584,9 @@ class GaussianDiffusion:
     respaced) chain; the network always sees the original timestep, timestep_map[t], which is what
     it was trained on. All schedule constants are float64 numpy arrays, as in the official code."""
 
-    METHODS = ("ddpm", "ddim")  # its samplers
+    name, learn_sigma, SETTINGS = "ddpm", True, ()
+    METHODS = ("ddpm", "ddim")  # its samplers; the paper's: ancestral sampling over 250 steps
+    default_method, default_steps = "ddpm", 250
 
     def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
         if not (isinstance(num_timesteps, int) and num_timesteps > 1):
@@ -553,10 +597,10 @@ class GaussianDiffusion:
         base_betas = np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
         base_alphas_cumprod = np.cumprod(1.0 - base_betas)
 
+        self.base_timesteps = num_timesteps
         self.timestep_map = np.array(space_timesteps(num_timesteps,
                                                      timestep_respacing or str(num_timesteps)))
-        # the posterior variance at t = 0 is clipped to the one at t = 1
-        if len(self.timestep_map) < 2:
+        if len(self.timestep_map) < 2:  # the clipping below needs a step t = 1
             raise ValueError(f"a DDPM chain needs at least 2 steps, {timestep_respacing!r} gives "
                              f"{len(self.timestep_map)}")
         kept = base_alphas_cumprod[self.timestep_map]
@@ -599,12 +643,7 @@ class GaussianDiffusion:
         no clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the
         log-variance between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal
         eq. 15). Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
-        C = x.shape[-1]
-        if model_out.shape != x.shape[:-1] + (2 * C,):
-            raise ValueError(f"GaussianDiffusion needs the model to predict eps and variance, "
-                             f"shape {x.shape[:-1] + (2 * C,)} for x of shape {x.shape}, got "
-                             f"{model_out.shape}; build the DiT with learn_sigma=True (or use "
-                             f"RectifiedFlow for learn_sigma=False)")
+        C = check_output(self, model_out, x)
         eps, var_values = model_out[..., :C], model_out[..., C:]
         min_log = _extract(self.posterior_log_variance_clipped, t_index, x.ndim)
         max_log = _extract(np.log(self.betas), t_index, x.ndim)
@@ -616,10 +655,14 @@ class GaussianDiffusion:
         mean, _ = self._q_posterior(pred_xstart, x, t_index)
         return {"mean": mean, "log_variance": log_variance, "pred_xstart": pred_xstart}
 
-    def losses_at(self, model_fn, x0, t, noise):
+    def time_at(self, level):
+        """The step indices (B,) of noise levels (B,) in [0, 1]: level * T, rounded down."""
+        return jnp.minimum((level * self.num_timesteps).astype(jnp.int32), self.num_timesteps - 1)
+
+    def losses_at(self, model_fn, x0, t, noise, mask=None):
         """Per-sample losses at given step indices t (B,) int and noise like x0 (B, H, W, C)
-        (official training_losses). Returns dict(loss, mse, vb, time), each (B,); vb is in bits
-        per dimension, time is t as a fraction of the chain, in [0, 1)."""
+        (official training_losses). Returns dict(loss, mse, vb, level), each (B,); vb is in bits
+        per dimension, level is t as a fraction of the chain, in [0, 1)."""
         x_t = (_extract(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
                + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.ndim) * noise)
         model_out = model_fn(x_t, self._model_time(t))  # (B, H, W, 2C)
@@ -631,31 +674,38 @@ class GaussianDiffusion:
         p = self.p_mean_variance(frozen, x_t, t)
         true_mean, true_log_variance = self._q_posterior(x0, x_t, t)
         kl = _mean_flat(_normal_kl(
-            true_mean, true_log_variance, p["mean"], p["log_variance"])) / np.log(2.0)
+            true_mean, true_log_variance, p["mean"], p["log_variance"]), mask) / np.log(2.0)
         decoder_nll = -_mean_flat(_discretized_gaussian_log_likelihood(
-            x0, p["mean"], 0.5 * p["log_variance"])) / np.log(2.0)
+            x0, p["mean"], 0.5 * p["log_variance"]), mask) / np.log(2.0)
         # the first step (t = 0) has no posterior to match: its term is the likelihood of the data
         # itself
         vb = jnp.where(t == 0, decoder_nll, kl)
-        mse = _mean_flat((noise - eps) ** 2)
-        return {"loss": mse + vb, "mse": mse, "vb": vb, "time": t / self.num_timesteps}
+        mse = _mean_flat((noise - eps) ** 2, mask)
+        return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
 
-    def training_losses(self, model_fn, x0, key):
+    def training_losses(self, model_fn, x0, key, mask=None):
         """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
         key."""
         key_t, key_noise = jax.random.split(key)
         t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, t, noise)
+        return self.losses_at(model_fn, x0, t, noise, mask)
 
-    def sample(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
+    def sample(self, model_fn, noise, key, steps, method="ddpm", return_trajectory=False):
+        """Sample on the chain of `steps` evenly spaced timesteps (official respacing: "250" for
+        ancestral sampling, "ddim250" for DDIM), which walk() walks."""
+        check_sampler(self, steps, method)
+        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps),
+                                  self.base_timesteps)
+        return chain.walk(model_fn, noise, key, method, return_trajectory)
+
+    def walk(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
         """Walk this instance's chain from t = T-1 down to 0, starting at noise (B, H, W, C).
         method "ddpm": ancestral sampling, x_{t-1} ~ p(x_{t-1} | x_t) with fresh noise from key each
         step (official p_sample_loop). method "ddim": DDIM with eta = 0 (Song et al. 2021 eq. 12),
         deterministic, key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as
-        DiT samples latents. For a user's step count use GaussianDiffusion(str(steps)) or
-        GaussianDiffusion(f"ddim{steps}"). Returns x0 (B, H, W, C), or
-        (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
+        DiT samples latents. Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting
+        with noise) when asked."""
         if method not in self.METHODS:
             raise ValueError(f"unknown DDPM sampling method {method!r}; use "
                              f"{' or '.join(map(repr, self.METHODS))}")
@@ -701,14 +751,18 @@ class RectifiedFlow:
     on [0, 1). The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the
     velocity (B, H, W, C): build the DiT with learn_sigma=False."""
 
-    METHODS = ("euler", "heun")  # its samplers
+    name, learn_sigma, SETTINGS = "rf", False, ("timestep_sampling", "loc", "scale")
+    # Its samplers; by default Heun at 25 steps, 50 network calls, second order (test_dit.py's
+    # Gaussian case: at equal steps its error is below half of Euler's)
+    METHODS = ("euler", "heun")
+    default_method, default_steps = "heun", 25
 
     def __init__(self, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
         if timestep_sampling not in ("logit_normal", "uniform"):
-            raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' "
+            raise InputError(f"unknown timestep_sampling {timestep_sampling!r}; use 'logit_normal' "
                              f"or 'uniform'")
         if not scale > 0:
-            raise InputError(f"the logit-normal scale (--ln-scale) must be positive, got {scale!r}")
+            raise InputError(f"the logit-normal scale must be positive, got {scale!r}")
         self.timestep_sampling, self.loc, self.scale = timestep_sampling, float(loc), float(scale)
 
     def sample_timesteps(self, key, n):
@@ -720,52 +774,64 @@ class RectifiedFlow:
     def _velocity(self, model_fn, x, t):
         """The network's velocity at x (B, H, W, C) and times t (B,) in [0, 1]."""
         v = model_fn(x, 1000.0 * t)
-        if v.shape != x.shape:
-            raise ValueError(f"RectifiedFlow needs the model to predict a velocity shaped like x "
-                             f"{x.shape}, got {v.shape}; build the DiT with learn_sigma=False "
-                             f"(learned variance is DDPM's)")
+        check_output(self, v, x)
         return v
 
-    def losses_at(self, model_fn, x0, t, noise):
+    def time_at(self, level):
+        """The time t of a noise level: the level itself."""
+        return level
+
+    def losses_at(self, model_fn, x0, t, noise, mask=None):
         """Per-sample squared error of the velocity at times t (B,) in [0, 1] with noise like x0
-        (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, time), each (B,)."""
+        (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, level), each (B,)."""
         t_b = t.reshape((-1,) + (1,) * (x0.ndim - 1))  # (B, 1, 1, 1)
         x_t = (1 - t_b) * x0 + t_b * noise
-        return {"loss": _mean_flat((noise - x0 - self._velocity(model_fn, x_t, t)) ** 2), "time": t}
+        error = (noise - x0 - self._velocity(model_fn, x_t, t)) ** 2
+        return {"loss": _mean_flat(error, mask), "level": t}
 
-    def training_losses(self, model_fn, x0, key):
+    def training_losses(self, model_fn, x0, key, mask=None):
         """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
         key_t, key_noise = jax.random.split(key)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise)
+        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise,
+                              mask)
 
-    def sample(self, model_fn, noise, steps: int, method="euler", return_trajectory=False):
+    def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
-        steps. "euler": one network call per step. "heun": Heun's second-order method (Karras et al.
-        2022, alg. 1), two calls per step, including the last one, since the velocity stays finite
-        at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H, W, C) starting with
-        noise) when asked."""
-        if method not in self.METHODS:
-            raise ValueError(f"unknown rectified-flow sampling method {method!r}; use "
-                             f"{' or '.join(map(repr, self.METHODS))}")
-        if not (isinstance(steps, int) and steps >= 1):
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
-        times = jnp.linspace(1.0, 0.0, steps + 1)
+        steps; key unused. "euler": one network call per step. "heun": Heun's second-order method
+        (Karras et al. 2022, alg. 1), two calls per step, including the last one, since the
+        velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H,
+        W, C) starting with noise) when asked."""
+        check_sampler(self, steps, method)
+        v = lambda x, t: self._velocity(model_fn, x, jnp.full((x.shape[0],), t))  # noqa: E731
+        x, trajectory = integrate(v, noise, jnp.linspace(1.0, 0.0, steps + 1), method,
+                                  return_trajectory)
+        return (x, jnp.concatenate([noise[None], trajectory])) if return_trajectory else x
 
-        def step(x, t_pair):
-            t, t_next = t_pair
-            dt = t_next - t  # negative: we integrate backwards in time
-            v = self._velocity(model_fn, x, jnp.full((x.shape[0],), t))
-            x_next = x + dt * v
-            if method == "heun":
-                v_next = self._velocity(model_fn, x_next, jnp.full((x.shape[0],), t_next))
-                x_next = x + dt * 0.5 * (v + v_next)
-            return x_next, (x_next if return_trajectory else None)
 
-        x, trajectory = jax.lax.scan(step, noise, (times[:-1], times[1:]))
-        if return_trajectory:
-            return x, jnp.concatenate([noise[None], trajectory])
-        return x
+def check_sampler(objective, steps, method):
+    """A ValueError unless `method` is one of the objective's METHODS and `steps` a positive int."""
+    if method not in objective.METHODS:
+        raise ValueError(f"unknown {objective.name} sampling method {method!r}; use "
+                         f"{' or '.join(map(repr, objective.METHODS))}")
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+
+
+def integrate(f, x, times, method, return_trajectory=False):
+    """Integrate dx/dt = f(x, t) from x at times[0] through `times` (K+1,): "euler", one call of f
+    per step, or "heun", Heun's second-order method (Karras et al. 2022, alg. 1), which corrects
+    each Euler step with f at its end. Returns (x at times[-1], the trajectory (K, ...) after each
+    step when asked, else None)."""
+    def step(x, t_pair):
+        t, t_next = t_pair
+        d = f(x, t)
+        x_next = x + (t_next - t) * d
+        if method == "heun":
+            x_next = x + (t_next - t) * 0.5 * (d + f(x_next, t_next))
+        return x_next, (x_next if return_trajectory else None)
+
+    return jax.lax.scan(step, x, (times[:-1], times[1:]))
 
 
 #################################################################################
@@ -786,18 +852,22 @@ def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
 def new_train_state(model, tx):
     """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
     DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
-    array by its path (params.blocks.0.attn.qkv.kernel, ...). A float16 model adds the state of its
-    loss scaling (scaled_grad, section 12)."""
+    array by its path (params.blocks.0.attn.qkv.kernel, ...)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    state = {"step": jnp.zeros((), jnp.int32), "params": params,
-             "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
-    if model.dtype == jnp.float16:
-        state |= {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
-    return state
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
 
 
-def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
-    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics).
+def loss_gradient(loss_fn, state):
+    """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux."""
+    return jax.grad(loss_fn, has_aux=True)(state["params"])
+
+
+def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
+                    gradient=loss_gradient):
+    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
+    the metrics being the mean loss, the gradient's norm and the per-sample `losses` of the
+    objective. `gradient` computes the gradients from the loss (the harness scales float16's).
 
     The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
     so a resumed run draws exactly what an uninterrupted one would, on any number of devices.
@@ -812,7 +882,7 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
             losses = objective.training_losses(model_fn, x, key_objective)
             return losses["loss"].mean(), losses
 
-        grads, losses = scaled_grad(loss_fn, state)  # float16 scales the loss: see section 12
+        grads, losses = gradient(loss_fn, state)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # DiT keeps an exponential moving average of the weights and samples from it. A short run
@@ -823,9 +893,8 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
         ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, state["ema"], params)
         new_state = {**state, "step": state["step"] + 1, "params": params, "ema": ema,
                      "opt_state": opt_state}
-        metrics = {"loss": losses["loss"].mean(), "grad_norm": optax.tree.norm(grads),
-                   **loss_by_time(losses)}
-        return skip_overflow(state, new_state, metrics)  # float16 skips a step that overflowed
+        return new_state, {"loss": losses["loss"].mean(), "grad_norm": optax.tree.norm(grads),
+                           "losses": losses}
 
     return train_step
 
@@ -834,10 +903,13 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
 #                                  7. Sampling                                  #
 #################################################################################
 
-# The sampler and step count of each objective when the user names none. Rectified flow: Heun at 25
-# steps, 50 network calls, which landed 2.8 times closer than Euler at 50 steps (same cost) to the
-# converged ODE solution in the README's measurement. DDPM: ancestral sampling at the paper's 250.
-DEFAULT_SAMPLER = {"rf": ("heun", 25), "ddpm": ("ddpm", 250)}
+def guides(cfg, cfg_scale):
+    """Whether a model of configuration cfg samples with guidance at cfg_scale: not at 1, nor
+    without classes; one trained without label dropout has no null label to guide with."""
+    if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
+        raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
+                         f"dropout, so it has no null label to guide with; sample at scale 1")
+    return cfg_scale != 1 and cfg.num_classes > 0
 
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
@@ -845,23 +917,14 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
     Pure; jit it."""
-    guided = cfg_scale != 1 and model.cfg.num_classes
-    if guided and not model.cfg.class_dropout_prob:  # InputError: the user's to fix, in one line
-        raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
-                         f"dropout, so it has no null label to guide with; use --cfg-scale 1")
-    if guided:
+    if guides(model.cfg, cfg_scale):
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
             x, t, y2, cfg_scale, guidance_channels, interval)
     else:
         x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
-    if isinstance(objective, RectifiedFlow):
-        out = objective.sample(model_fn, x, steps, method, return_trajectory=return_trajectory)
-    else:
-        # DDPM samples on a respaced chain: `steps` evenly spaced timesteps, "ddim<steps>" for DDIM.
-        chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps))
-        out = chain.sample(model_fn, x, key, method, return_trajectory=return_trajectory)
+    out = objective.sample(model_fn, x, key, steps, method, return_trajectory=return_trajectory)
     n = noise.shape[0]
     return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
 
@@ -871,19 +934,18 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                              PART II: THE HARNESS                             #
 #                                                                               #
 #################################################################################
-# First what the model adds to the paper: the switches of DiT+, and what makes it fast and fit in
-# memory. Then everything that connects the core to the world: weight files, the autoencoder,
-# datasets, checkpoints, the training loop over devices and hosts, evaluation, the benchmark, the
-# command line.
+# First what the model adds to the paper: the switches of DiT+, the objective EDM, and what makes it
+# fast and fit in memory. Then everything that connects the core to the world: weight files, the
+# autoencoder, datasets, checkpoints, the training loop over devices and hosts, evaluation, the
+# benchmark, the command line.
 
 #################################################################################
 #                      DiT+: the switches beyond the paper                      #
 #################################################################################
 # The switches of DiTConfig (ARCHS), each a change that later work found to help at DiT's scale.
-# The DiT builds the block and final layer below when any of them is on; all off is the paper's
-# model of section 3.
+# DiTPlus, the model that the harness trains, builds the block and final layer below; with every
+# switch off they compute the paper's model of section 3.
 
-@jax.checkpoint  # recomputed in the backward pass, as layer_norm
 def rms_norm(x, eps=1e-6):
     """RMSNorm (Zhang & Sennrich 2019), which the rms_norm switch puts in place of layer_norm: no
     mean is subtracted, so the tokens keep their offset; no affine parameters, float32, as
@@ -927,9 +989,10 @@ class DiTPlusAttention(Attention):
             self.k_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
     def attend(self, q, k, v):
-        # recomputed in the backward pass, as layer_norm
-        q, k = checkpoint_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
-        return super().attend(q, k, v)
+        if self.qk_norm or self.rope_grid is not None:  # recomputed in the backward pass
+            q, k = checkpoint_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
+        return jax.nn.dot_product_attention(
+            q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
 
     def queries_and_keys(self, q, k):  # q, k (B, T, H, D/H)
         if self.qk_norm:
@@ -940,7 +1003,6 @@ class DiTPlusAttention(Attention):
         return q, k
 
 
-@jax.checkpoint  # recomputed in the backward pass, as gelu
 def swish_gate(a, b):
     return jax.nn.silu(a) * b
 
@@ -957,34 +1019,148 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
         a, b = jnp.split(self.w12(x), 2, axis=-1)
-        return self.w3(swish_gate(a, b))
+        return self.w3(recomputed(swish_gate)(a, b))
 
 
 class DiTPlusBlock(DiTBlock):
     """The DiT block with the parts that cfg's switches replace; adaLN-Zero and the forward pass
-    are the paper's."""
+    are the paper's. Its norms and activations are recomputed in the backward pass, and the whole
+    block as `remat` says (see "Memory and speed")."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
-        self.norm = rms_norm if cfg.rms_norm else layer_norm
-        if cfg.qk_norm or cfg.rope:
-            self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm,
-                                         cfg.grid if cfg.rope else None, dtype=dtype, rngs=rngs)
-        else:
-            self.attn = Attention(D, cfg.num_heads, dtype=dtype, rngs=rngs)
+        self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
+        self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm, cfg.grid if cfg.rope else None,
+                                     dtype=dtype, rngs=rngs)
         if cfg.swiglu:
             self.mlp = SwiGLU(D, 2 * hidden // 3, dtype=dtype, rngs=rngs)
         else:
             self.mlp = Mlp(D, hidden, dtype=dtype, rngs=rngs)
+            self.mlp.act = recomputed(gelu)
         self.adaLN_modulation = adaln_zero(D, 6, dtype=dtype, rngs=rngs)
+        self.remat = None  # DiTPlus sets it
+
+    def __call__(self, x, c):
+        return checkpoint_call(DiTBlock.__call__, self, x, c, remat=self.remat)
 
 
 class DiTPlusFinalLayer(FinalLayer):
-    """The final layer, with RMSNorm instead of LayerNorm under rms_norm."""
+    """The final layer, with RMSNorm instead of LayerNorm under rms_norm, recomputed as the
+    block's."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
-        self.norm = rms_norm if cfg.rms_norm else layer_norm
+        self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
+
+
+class DiTPlus(DiT):
+    """The model that the harness trains and samples, for both architectures: the paper's DiT with
+    the blocks of DiT+, which compute the paper's when every switch is off, and run as "Memory and
+    speed" says: float32 products in float32, the blocks recomputed in the backward pass under
+    `remat` (a key of REMAT_POLICIES, or None). None of that changes what it computes."""
+    Block, Final = DiTPlusBlock, DiTPlusFinalLayer
+
+    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        for block in self.blocks:
+            block.remat = remat
+
+    def __call__(self, x, t, y, drop_key=None):
+        with matmul_precision(self.dtype):
+            return super().__call__(x, t, y, drop_key)
+
+
+#################################################################################
+#                        EDM: the objective beyond the paper                    #
+#################################################################################
+
+class EDM:
+    """The denoiser of Karras et al. 2022 ("Elucidating the Design Space of Diffusion-Based
+    Generative Models"), written against the interface of the core's objectives (section 4). Data
+    x_0 noised to x = x_0 + sigma n, and the network F preconditioned (their Table 1):
+        D(x; sigma) = c_skip x + c_out F(c_in x, c_noise),  c_noise = ln(sigma) / 4,
+    with c_skip, c_out and c_in keeping F's input and target at unit variance for data of standard
+    deviation sigma_data: 0.5 for pixels in [-1, 1], as theirs, and measured for latents
+    (Dataset.sigma_data). Training draws ln(sigma) ~ N(P_MEAN, P_STD^2) and weighs the denoising
+    error by lambda(sigma) = 1 / c_out^2; sampling is Heun's method (their Algorithm 1) over the
+    rho = 7 schedule from SIGMA_MAX to SIGMA_MIN, then to 0. DiT sees c_noise mapped linearly so
+    that [SIGMA_MIN, SIGMA_MAX] spans its 0..1000; the noise level is sigma / (1 + sigma), rectified
+    flow's t at the same signal-to-noise ratio. The network predicts (B, H, W, C), without learned
+    variance."""
+    name, learn_sigma, SETTINGS = "edm", False, ("sigma_data",)
+    # its samplers; by default Heun at their 18 steps (35 network calls)
+    METHODS = ("heun", "euler")
+    default_method, default_steps = "heun", 18
+    P_MEAN, P_STD, SIGMA_MIN, SIGMA_MAX, RHO = -1.2, 1.2, 0.002, 80.0, 7.0
+
+    def __init__(self, sigma_data=0.5):
+        if not sigma_data > 0:
+            raise InputError(f"EDM's sigma_data must be positive, got {sigma_data!r}")
+        self.sigma_data = float(sigma_data)
+
+    def denoise(self, model_fn, x, sigma):
+        """D(x; sigma) for x (B, H, W, C) at noise levels sigma (B,) > 0."""
+        s, sd = sigma.reshape((-1,) + (1,) * (x.ndim - 1)), self.sigma_data
+        lo, hi = np.log(self.SIGMA_MIN) / 4, np.log(self.SIGMA_MAX) / 4
+        out = model_fn(x / jnp.sqrt(s ** 2 + sd ** 2),
+                       1000 * (jnp.log(sigma) / 4 - lo) / (hi - lo))
+        check_output(self, out, x)
+        return sd ** 2 / (s ** 2 + sd ** 2) * x + s * sd / jnp.sqrt(s ** 2 + sd ** 2) * out
+
+    def time_at(self, level):
+        """The sigma of a noise level: level / (1 - level)."""
+        return level / (1 - level)
+
+    def losses_at(self, model_fn, x0, sigma, noise, mask=None):
+        """Per-sample weighted denoising errors at noise levels sigma (B,) with noise like x0
+        (B, H, W, C). Returns dict(loss, level), each (B,)."""
+        s, sd = sigma.reshape((-1,) + (1,) * (x0.ndim - 1)), self.sigma_data
+        error = (self.denoise(model_fn, x0 + s * noise, sigma) - x0) ** 2
+        return {"loss": _mean_flat((s ** 2 + sd ** 2) / (s * sd) ** 2 * error, mask),
+                "level": sigma / (1 + sigma)}
+
+    def training_losses(self, model_fn, x0, key, mask=None):
+        """losses_at with log-normal sigma and standard normal noise, drawn from key."""
+        key_sigma, key_noise = jax.random.split(key)
+        sigma = jnp.exp(self.P_MEAN + self.P_STD * jax.random.normal(key_sigma, (x0.shape[0],)))
+        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
+        return self.losses_at(model_fn, x0, sigma, noise, mask)
+
+    def sample(self, model_fn, noise, key, steps, method="heun", return_trajectory=False):
+        """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from
+        SIGMA_MAX * noise (noise (B, H, W, C)) over `steps` levels of the rho = 7 schedule; key
+        unused. "heun" corrects each step but the last (to sigma = 0, where Euler's step gives
+        D(x; sigma) itself) with a second call; "euler" does not. Returns x0, or (x0, trajectory
+        (steps+1, B, H, W, C) starting with noise) when asked."""
+        check_sampler(self, steps, method)
+        hi, lo = self.SIGMA_MAX ** (1 / self.RHO), self.SIGMA_MIN ** (1 / self.RHO)
+        sigmas = (hi + jnp.linspace(0.0, 1.0, steps) * (lo - hi)) ** self.RHO  # (steps,)
+        denoise = lambda x, s: self.denoise(model_fn, x, jnp.full((x.shape[0],), s))  # noqa: E731
+        slope = lambda x, s: (x - denoise(x, s)) / s  # noqa: E731  dx/dsigma
+        x, trajectory = integrate(slope, noise * self.SIGMA_MAX, sigmas, method, return_trajectory)
+        x = denoise(x, sigmas[-1])
+        if return_trajectory:
+            return x, jnp.concatenate([noise[None], trajectory, x[None]])
+        return x
+
+
+# The objectives, by the name that --objective and the checkpoints give.
+OBJECTIVES = {objective.name: objective for objective in (RectifiedFlow, GaussianDiffusion, EDM)}
+
+
+def make_objective(name, **options):
+    """The objective called `name`, built from those of `options` that are its SETTINGS: a
+    checkpoint records each objective's own (objective_record), the command line offers every
+    objective the same, and a file's other claims are not arguments of anything."""
+    if name not in OBJECTIVES:
+        raise InputError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name](**{k: v for k, v in options.items() if k in OBJECTIVES[name].SETTINGS})
+
+
+def objective_record(objective):
+    """What a checkpoint records of an objective: its name and SETTINGS, make_objective's
+    arguments."""
+    return {"name": objective.name, **{k: getattr(objective, k) for k in objective.SETTINGS}}
 
 
 #################################################################################
@@ -993,15 +1169,19 @@ class DiTPlusFinalLayer(FinalLayer):
 # Nothing here changes what the model computes (test_dit.py checks each). The backward pass needs
 # the activations of the forward pass; kept, layer_norm's float32 intermediates would take twice the
 # memory of the tokens themselves in every block, gelu's five more (B, T, 4D) tensors, DiT+'s
-# normalisation and rotation of queries and keys four more (B, T, D). Each is recomputed from its
-# input instead: by @jax.checkpoint on the function, by checkpoint_call for DiT+'s queries and keys.
+# normalisation and rotation of queries and keys four more (B, T, D). DiTPlus recomputes each from
+# its input instead: the functions through `recomputed`, DiT+'s queries and keys by checkpoint_call.
 
-# What the backward pass recomputes instead of keeping, per block, for DiT's `remat`. "dots" keeps
-# the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and recomputes the
-# norms, modulations, activations and attention from them: little extra compute for half the memory
-# of keeping everything (10 numbers per token and hidden unit instead of 20). "full" keeps only each
-# block's input and recomputes the whole block: a third more compute, for models that fit no other
-# way.
+# f, recomputed in the backward pass from its inputs; one function per f, so that two models built
+# alike have equal graphdefs
+recomputed = functools.cache(jax.checkpoint)
+
+# What the backward pass recomputes instead of keeping, per block, under DiTPlus's `remat`. "dots"
+# keeps the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and
+# recomputes the norms, modulations, activations and attention from them: little extra compute for
+# half the memory of keeping everything (10 numbers per token and hidden unit instead of 20). "full"
+# keeps only each block's input and recomputes the whole block: a third more compute, for models
+# that fit no other way.
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 
 
@@ -1056,15 +1236,19 @@ def flatten(tree):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+# The arrays of a model that weight files hold: its parameters, and BatchNorm's statistics.
+WEIGHTS = nnx.Any(nnx.Param, nnx.BatchStat)
+
+
 def named_params(model):
-    """{dotted path: array} of a model's parameters, as flatten names them."""
-    return flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    """{dotted path: array} of a model's weights, as flatten names them."""
+    return flatten(nnx.to_pure_dict(nnx.state(model, WEIGHTS)))
 
 
 def set_params(model, named):
-    """Set every parameter of `model` from {dotted path: array}. The model may be abstract (built by
+    """Set every weight of `model` from {dotted path: array}. The model may be abstract (built by
     nnx.eval_shape, so that no random initialisation is computed only to be overwritten)."""
-    state = nnx.state(model, nnx.Param)
+    state = nnx.state(model, WEIGHTS)
     like = nnx.to_pure_dict(state)
     leaves = [jnp.asarray(named[name], leaf.dtype) for name, leaf in flatten(like).items()]
     nnx.replace_by_pure_dict(state, jax.tree.unflatten(jax.tree.structure(like), leaves))
@@ -1072,18 +1256,22 @@ def set_params(model, named):
     return model
 
 
+# PyTorch's name for the last part of a weight's path where ours differs.
+_TORCH_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight",
+                     "mean": "running_mean", "var": "running_var"}
+
+
 def torch_name(name):
-    """The PyTorch state-dict key of our parameter `name`: 'blocks.0.attn.qkv.kernel' ->
+    """The PyTorch state-dict key of our weight `name`: 'blocks.0.attn.qkv.kernel' ->
     'blocks.0.attn.qkv.weight'. nnx.Sequential keeps its layers under 'layers', which PyTorch
     omits."""
     parts = [part for part in name.split(".") if part != "layers"]
-    parts[-1] = {"kernel": "weight", "embedding": "weight",
-                 "scale": "weight"}.get(parts[-1], parts[-1])
+    parts[-1] = _TORCH_LEAF_NAMES.get(parts[-1], parts[-1])
     return ".".join(parts)
 
 
 def to_torch_layout(name, value):
-    """Our layout -> PyTorch's for the parameter `name`: linear kernels (in, out) -> (out, in),
+    """Our layout -> PyTorch's for the weight `name`: linear kernels (in, out) -> (out, in),
     convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in
     both."""
     if not name.endswith("kernel"):
@@ -1098,33 +1286,39 @@ def from_torch_layout(name, value):
     return value.T if value.ndim == 2 else value.transpose(2, 3, 1, 0)
 
 
-def load_state_dict(model, state_dict, what):
-    """Copy a PyTorch state dict into `model`, checking every key and shape; conversions in
-    to_torch_layout.
-
-    Keys the model lacks, and model parameters the file lacks, are errors that name them: they mean
-    the file holds another architecture. (pos_embed, the fixed table, is recomputed, not loaded.)
-    `what` names the file in messages.
-    """
+def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
+    """Copy a PyTorch state dict (numpy arrays) into `model` and return it: the one loader of the
+    official DiT's, the SD VAE's and (fid.py) the Inception's weights. Each weight is read from the
+    key torch_name gives it (or `names`, {key: our name}), in from_torch_layout's layout (a linear
+    weight that old files store as a 1x1 convolution squeezed). Weights the file lacks, keys the
+    model lacks (but those that the regular expression `skip` matches) and shapes that differ are
+    named, with `fix`: they mean the file holds another model. `what` names the file."""
     ours = named_params(model)
-    names = {torch_name(name): name for name in ours}
+    names = names or {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
-    if missing:
-        raise InputError(f"{what} lacks {len(missing)} parameters of the model, e.g. "
-                         f"{missing[:5]}: it holds another architecture or configuration")
-    extra = set(state_dict) - set(names) - {"pos_embed"}
-    if extra:
-        raise InputError(f"{what} has parameters the model lacks, e.g. {sorted(extra)[:5]}: it "
-                         f"holds another architecture or configuration")
+    unexpected = sorted(k for k in set(state_dict) - set(names)
+                        if not (skip and re.fullmatch(skip, k)))
+    if missing or unexpected:
+        show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
+        raise InputError(f"{what}: not the weights of this {type(model).__name__}: missing keys "
+                         f"{show(missing)}, unexpected keys {show(unexpected)}; {fix}")
     values = {}
     for key, name in names.items():
-        values[name] = from_torch_layout(name, np.asarray(state_dict[key]))
-        if values[name].shape != ours[name].shape:
-            expected = to_torch_layout(name, np.empty(ours[name].shape)).shape
-            raise InputError(f"{what}: {key} has shape {state_dict[key].shape} but the model "
-                             f"expects {expected}: the checkpoint is from another model size or "
-                             f"configuration")
-    set_params(model, values)
+        # a broadcast zero has the shape without the memory
+        shape = to_torch_layout(name, np.broadcast_to(np.int8(0), ours[name].shape)).shape
+        value = np.asarray(state_dict[key])
+        if value.ndim == 4 and len(shape) == 2 and value.shape[2:] == (1, 1):
+            value = value[:, :, 0, 0]
+        if value.shape != shape:
+            raise InputError(f"{what}: {key} has shape {list(value.shape)}, the "
+                             f"{type(model).__name__} expects {list(shape)}; {fix}")
+        values[name] = from_torch_layout(name, value)
+    return set_params(model, values)
+
+
+# What a DiT weight file that fails load_torch_weights' checks holds. (pos_embed, the fixed table,
+# is recomputed, not loaded.)
+DIT_WEIGHTS_FIX = "it holds another model size or configuration"
 
 
 def infer_dit_config(state_dict):
@@ -1165,8 +1359,8 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
             raise InputError(f"{path}: the shapes of its weights are not those of an official "
                              f"DiT ({type(e).__name__}: {e}); from Python, pass "
                              f"load_dit_checkpoint its DiTConfig") from None
-    model = nnx.eval_shape(lambda: DiT(cfg, rngs=nnx.Rngs(0), **model_kwargs))
-    load_state_dict(model, state_dict, path)
+    model = nnx.eval_shape(lambda: DiTPlus(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    load_torch_weights(model, state_dict, path, DIT_WEIGHTS_FIX, skip="pos_embed")
     table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
     pos_embed = state_dict.get("pos_embed")
     if (pos_embed is None or pos_embed.shape != (1, *table.shape)
@@ -1464,43 +1658,23 @@ SD_VAE_URL = "https://huggingface.co/stabilityai/sd-vae-ft-{}/resolve/main/{}"
 
 
 def vae_torch_names(model):
-    """{diffusers name: (our name, PyTorch shape)} for every parameter of our AutoencoderKL. The
-    module tree mirrors diffusers', so the DiT loader's torch_name and to_torch_layout translate
-    each parameter; only diffusers' to_out, a ModuleList([Linear, Dropout]), adds a level."""
-    names = {}
-    for name, leaf in named_params(model).items():
-        # a broadcast zero has the shape without the memory
-        shape = to_torch_layout(name, np.broadcast_to(np.int8(0), leaf.shape)).shape
-        names[torch_name(name).replace("to_out.", "to_out.0.")] = (name, shape)
-    return names
+    """{diffusers name: our name} of every parameter of our AutoencoderKL. The module tree mirrors
+    diffusers', so torch_name translates each; only diffusers' to_out, a ModuleList([Linear,
+    Dropout]), adds a level."""
+    return {torch_name(name).replace("to_out.", "to_out.0."): name for name in named_params(model)}
 
 
 _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
 def load_vae_weights(model, tensors, source="the weight file"):
-    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, converting
-    layouts. Every parameter must be present and every tensor used; a mismatch names the keys."""
+    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, by
+    load_torch_weights."""
     tensors = {re.sub(r"(attentions\.\d+\.)(query|key|value|proj_attn)\.",
                       lambda m: m.group(1) + _OLD_ATTENTION[m.group(2)] + ".", k): v
                for k, v in tensors.items()}
-    expected = vae_torch_names(model)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        show = lambda keys: f"{len(keys)} {keys[:6]}{' ...' if len(keys) > 6 else ''}"  # noqa: E731
-        raise InputError(f"{source} does not fit the VAE of {model.cfg}: missing keys "
-                         f"{show(missing)}, unexpected keys {show(unexpected)}. Is config.json the "
-                         f"one that came with these weights?")
-    values = {}
-    for key, (name, shape) in expected.items():
-        w = np.asarray(tensors[key], dtype=np.float32)
-        if w.ndim == 4 and len(shape) == 2 and w.shape[2:] == (1, 1):
-            w = w[:, :, 0, 0]  # old checkpoints stored the attention projections as 1x1 convs
-        if w.shape != shape:
-            raise InputError(f"{source}: {key} has shape {list(w.shape)}, the model expects "
-                             f"{list(shape)}")
-        values[name] = from_torch_layout(name, w)
-    return set_params(model, values)
+    return load_torch_weights(model, tensors, source, "is config.json the one that came with "
+                              "these weights?", names=vae_torch_names(model))
 
 
 def vae_dtype(precision):
@@ -1597,6 +1771,18 @@ class Dataset:
     @property
     def is_latent(self) -> bool:
         return self.latent_scale is not None
+
+    @functools.cached_property
+    def sigma_data(self) -> float:
+        """The data's standard deviation, as EDM's preconditioning takes it: 0.5 for pixels in
+        [-1, 1], as Karras et al. take it; for latents, measured on up to 1,000 of them (the same
+        ones in every run)."""
+        if not self.is_latent:
+            return 0.5
+        rng = np.random.default_rng(0)
+        idx = np.sort(rng.permutation(len(self))[:1000])
+        eps = rng.standard_normal((len(idx), *self.input_shape), dtype=np.float32)
+        return float(self.inputs(idx, np.zeros(len(idx), bool), eps)[0].std())
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -2352,9 +2538,11 @@ def check_batch_size(batch_size):
 def model_config(args, input_size, in_channels, num_classes):
     """The DiTConfig of the model options (model_options, the switches resolved by main) for inputs
     of this shape."""
-    return dit_config(f"{args.size}/{args.patch}", input_size=input_size, in_channels=in_channels,
-                      num_classes=num_classes, learn_sigma=args.objective == "ddpm",
-                      **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
+    with flag(f"--patch {args.patch}"):
+        return dit_config(f"{args.size}/{args.patch}", input_size=input_size,
+                          in_channels=in_channels, num_classes=num_classes,
+                          learn_sigma=OBJECTIVES[args.objective].learn_sigma,
+                          **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
 
 
 def compute_dtype(precision):
@@ -2376,6 +2564,14 @@ def default_precision(device=None):
 
 # What the training loop adds to the core's training step (section 6): loss scaling for float16, and
 # the loss by noise level.
+
+def loss_scale_state(dtype):
+    """The state of the loss scaling that a float16 model's training adds to its state; none for
+    other dtypes."""
+    if dtype != jnp.float16:
+        return {}
+    return {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
+
 
 def scaled_grad(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux. A float16
@@ -2403,26 +2599,32 @@ def update_loss_scale(state, new_state, finite, period=2000):
     return keep | {"loss_scale": scale, "good_steps": good % period}
 
 
-def skip_overflow(state, new_state, metrics):
-    """(new_state, metrics) of a step; for a float16 state, after update_loss_scale, with the scale
-    and whether the step was skipped in the metrics."""
-    if "loss_scale" not in state:
-        return new_state, metrics
-    finite = jnp.isfinite(metrics["grad_norm"])
-    return (update_loss_scale(state, new_state, finite),
-            metrics | {"loss_scale": state["loss_scale"], "skipped": ~finite})
-
-
-# The training loss is also logged by noise level, the time t in [0, 1) of either objective, in this
-# many equal ranges: where the model is weak.
+# The training loss is also logged by noise level, the objective's level in [0, 1], in this many
+# equal ranges: where the model is weak.
 LOSS_BINS = 4
 
 
-def loss_by_time(losses):
-    """The per-sample losses summed, and counted, in each of the LOSS_BINS ranges of their time."""
-    bins = jnp.minimum((losses["time"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
-    return {"loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
-            "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
+def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
+    """The core's training step (make_train_step) as the training loop runs it: a float16 state
+    scales its loss (scaled_grad), and a step whose gradients overflowed is skipped
+    (update_loss_scale), with the scale and the skip in the metrics; the per-sample losses become
+    their sums and counts in each of the LOSS_BINS ranges of the noise level."""
+    core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
+                                gradient=scaled_grad)
+
+    def train_step(state, x, y):
+        new_state, metrics = core_step(state, x, y)
+        losses = metrics.pop("losses")
+        bins = jnp.minimum((losses["level"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
+        metrics |= {"loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
+                    "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
+        if "loss_scale" not in state:
+            return new_state, metrics
+        finite = jnp.isfinite(metrics["grad_norm"])
+        return (update_loss_scale(state, new_state, finite),
+                metrics | {"loss_scale": state["loss_scale"], "skipped": ~finite})
+
+    return train_step
 
 
 def architecture(args):
@@ -2430,16 +2632,6 @@ def architecture(args):
     own option when given (--no-rope, --swiglu, ...), for ablations."""
     return {k: on if getattr(args, k) is None else getattr(args, k)
             for k, on in ARCHS[args.arch].items()}
-
-
-def make_objective(name, timestep_sampling="logit_normal", loc=0.0, scale=1.0):
-    """The objective called `name`: "rf", rectified flow with the given timestep distribution, or
-    "ddpm", DiT's DDPM with learned variance, which reproduces the paper exactly."""
-    if name == "ddpm":
-        return GaussianDiffusion()
-    if name == "rf":
-        return RectifiedFlow(timestep_sampling, loc, scale)
-    raise ValueError(f"unknown objective {name!r}; use 'rf' or 'ddpm'")
 
 
 def make_mesh():
@@ -2472,28 +2664,29 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     """(graphdef, state, shardings): the training state created directly in its shardings, so that a
     model too large for one device is never whole on one; or, given a checkpoint path, read from it
     (without initialising first, which would need the memory twice)."""
-    build = lambda: DiT(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
-    init = lambda: new_train_state(build(), tx)  # noqa: E731
+    build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
+    init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
     shardings = state_shardings(abstract, mesh, fsdp)
     graphdef = nnx.graphdef(nnx.eval_shape(build))
     if checkpoint:
         state = restore_state(read_checkpoint(checkpoint)[1], abstract, shardings, checkpoint)
+        print(f"resumed {checkpoint}")
     else:
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
 
 
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings):
-    """make_train_step compiled for the mesh: the state keeps its shardings (and its buffers are
+    """make_harness_step compiled for the mesh: the state keeps its shardings (and its buffers are
     reused for the next state), the batch is split over the devices."""
     batch = NamedSharding(mesh, P("data"))
-    return jax.jit(make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup),
+    return jax.jit(make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup),
                    in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
                    donate_argnums=0)
 
 
-def open_run(args, cfg, ds):
+def open_run(args, cfg, ds, objective):
     """(checkpoint to resume from or None, the run's metadata for its checkpoints, whether each host
     keeps its own copy of the run directory), with the run directory made ready: a new one records
     the run's defining settings; an existing one must hold the same run, and the temporary files
@@ -2503,8 +2696,7 @@ def open_run(args, cfg, ds):
                 "num_classes": ds.num_classes}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "latent_scale": ds.latent_scale,
-            "objective": {"name": args.objective, "timestep_sampling": args.timestep_sampling,
-                          "loc": args.ln_loc, "scale": args.ln_scale}}
+            "objective": objective_record(objective)}
     found = list_checkpoints(args.run_dir)
     checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
     if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
@@ -2749,18 +2941,17 @@ def train(args):
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
-    objective = make_objective(args.objective, args.timestep_sampling, args.ln_loc, args.ln_scale)
+    objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,
+                               loc=args.ln_loc, scale=args.ln_scale, sigma_data=ds.sigma_data)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
     train_idx, held_out = hold_out(len(ds), args.val_images)
 
     # The run directory, and the state: restored from a checkpoint, or new.
     stop = Stop(args.time_limit)  # the time limit counts from here
-    checkpoint, meta, local_disks = open_run(args, cfg, ds)
+    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective)
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
-    if checkpoint:
-        print(f"resumed {checkpoint}")
     trace = StepTrace(args.profile, start, args.steps)
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
@@ -2771,15 +2962,14 @@ def train(args):
                              mesh, shardings)
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
-    # The loop: one step on every global batch, assembled from each process's share; then logging,
-    # checkpoints, sample grids and FID at their intervals. Ctrl-C, SIGTERM or the time limit end
-    # it after a whole step, at the same step on every process, with a checkpoint.
-    batch = NamedSharding(mesh, P("data"))
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps,
-               disable=jax.process_index() != 0)
-    stopped = None
-    with stop, Loader(ds, args.batch_size, args.seed, start, jax.process_index(),
-                      jax.process_count(), subset=train_idx) as loader:
+    # The loop: a step on each global batch, assembled from each process's share, then the records,
+    # evaluations and checkpoints at their intervals. Ctrl-C, SIGTERM or the time limit end it after
+    # a whole step, at the same step on every process, with a checkpoint.
+    batch, stopped = NamedSharding(mesh, P("data")), None
+    with (stop, tqdm(range(start, args.steps), initial=start, total=args.steps,
+                     disable=jax.process_index() != 0) as bar,
+          Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
+                 subset=train_idx) as loader):
         for step, (x, y) in zip(bar, loader):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
@@ -2792,34 +2982,25 @@ def train(args):
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-            # The checkpoint last: a run resumed from it keeps the records of its step.
-            with log.paused():
-                if done % args.sample_every == 0 or done == args.steps:
-                    evaluator.grid(state["ema"], done, log)
-                if args.val_images and (done % args.val_every == 0 or done == args.steps):
-                    evaluator.validation(state["ema"], done, log)
-                if args.fid_every and done % args.fid_every == 0:
-                    evaluator.fid(state["ema"], done, args.fid_samples, log)
+            with log.paused():  # the checkpoint last: a run resumed from it keeps its records
+                evaluator(state["ema"], done, log)
                 if done % args.ckpt_every == 0 or last:
                     saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks)
             if stopped:
                 break
-    bar.close()
     if stopped and jax.process_index() == 0:
         print(f"{stopped} at step {done} of {args.steps}: saved {saved}"
               f"{' (on every host)' if local_disks else ''}; the same command continues from there")
 
-    # The end of a finished run: the EMA weights on their own, and the final FID.
+    # The end of a finished run: the final FID, the EMA weights on their own, and the time taken.
     if not stopped:
         trace(args.steps, state)
-        if jax.process_index() == 0 and list_checkpoints(args.run_dir):
-            out = os.path.join(args.run_dir, "ema.safetensors")
-            print("EMA weights:", export_ema(list_checkpoints(args.run_dir)[-1], out))
         if args.final_fid:
             evaluator.fid(state["ema"], args.steps, args.final_fid, log)
-        if jax.process_index() == 0:
-            print(f"finished {args.steps} steps in {time.monotonic() - stop.start:.0f} s; sample "
-                  f"grids in {os.path.join(args.run_dir, 'samples')}")
+        if jax.process_index() == 0 and list_checkpoints(args.run_dir):
+            out = export_ema(list_checkpoints(args.run_dir)[-1], f"{args.run_dir}/ema.safetensors")
+            print(f"finished {args.steps} steps in {time.monotonic() - stop.start:.0f} s: grids in "
+                  f"{args.run_dir}/samples, EMA weights in {out}")
     return Run(args.run_dir, int(to_host(state["step"])), log.last.get("loss"),
                log.last.get("fid"), stopped, state)
 
@@ -2841,25 +3022,26 @@ def model_of_metadata(path, meta, arrays, dtype):
     if not (isinstance(config, dict)
             and all(k in fields and isinstance(v, fields[k]) for k, v in config.items())):
         raise refuse("its metadata holds no DiT configuration")
-    cfg = DiTConfig(**config)
+    try:
+        cfg = DiTConfig(**config)  # which refuses a patch size that does not divide the input
+    except (InputError, ArithmeticError) as e:  # ArithmeticError: a patch size of 0
+        raise refuse(f"no DiT has the configuration it records ({e})") from None
     sizes = (cfg.input_size, cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.num_heads)
     if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
             or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
-            or cfg.input_size % cfg.patch_size or cfg.hidden_size % 4
+            or cfg.hidden_size % 4
             or cfg.hidden_size % cfg.num_heads or cfg.hidden_size // cfg.num_heads % 4):
         raise refuse(f"no DiT has the configuration it records, {cfg}")
     try:
-        objective = make_objective(settings["name"], settings.get("timestep_sampling",
-                                                                  "logit_normal"),
-                                   settings.get("loc", 0.0), settings.get("scale", 1.0))
+        objective = make_objective(**settings)
     except (TypeError, KeyError, ValueError, AttributeError):
         raise refuse(f"its metadata records no objective of dit.py ({settings!r})") from None
-    if isinstance(objective, GaussianDiffusion) != cfg.learn_sigma:
-        raise refuse("its objective and its model's outputs disagree (DDPM learns the variance, "
-                     "rectified flow does not)")
+    if objective.learn_sigma != cfg.learn_sigma:
+        raise refuse(f"its objective ({objective.name}) and its model's outputs disagree on "
+                     f"learn_sigma")
     if not (scale is None or isinstance(scale, (int, float)) and scale > 0):
         raise refuse(f"its latent_scale {scale!r} is not a positive number")
-    return nnx.eval_shape(lambda: DiT(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
+    return nnx.eval_shape(lambda: DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
 
 
 def load_model(path, dtype=jnp.float32):
@@ -2884,7 +3066,7 @@ def load_model(path, dtype=jnp.float32):
             raise InputError(f"{path} has no model configuration in its metadata; was it written "
                              f"by `dit.py export`?") from None
         model, objective = model_of_metadata(path, meta, len(tensors), dtype)
-        load_state_dict(model, tensors, path)
+        load_torch_weights(model, tensors, path, DIT_WEIGHTS_FIX, skip="pos_embed")
         return model, objective, meta
     # The released checkpoints were trained with DDPM on SD-VAE latents.
     return (load_dit_checkpoint(path, dtype=dtype), GaussianDiffusion(),
@@ -3053,8 +3235,8 @@ def evaluate_samples(images, ref, inception):
     return fid_module().evaluate(share, ref=ref, inception=inception)
 
 
-# The times (fractions of the way from data to noise) at which the validation loss is measured: the
-# centres of the LOSS_BINS ranges.
+# The noise levels (in [0, 1]) at which the validation loss is measured: the centres of the
+# LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
@@ -3065,10 +3247,7 @@ def validation_losses(model, objective, x0, y, key):
     losses = []
     for i, frac in enumerate(VAL_TIMES):
         noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
-        if isinstance(objective, GaussianDiffusion):
-            t = jnp.full(len(x0), int(frac * objective.num_timesteps))
-        else:
-            t = jnp.full(len(x0), frac)
+        t = objective.time_at(jnp.full(len(x0), frac))
         losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t, noise)["loss"])
     return jnp.stack(losses)
 
@@ -3081,7 +3260,7 @@ class Evaluator:
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
         sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
-                                    method=DEFAULT_SAMPLER[args.objective][0],
+                                    method=objective.default_method,
                                     vae=(load_decoder(args.vae, ds.input_shape[-1],
                                                       vae_dtype(args.precision))
                                          if ds.is_latent else None),
@@ -3113,6 +3292,16 @@ class Evaluator:
                         jax.make_array_from_process_local_data(batch, y[rows], y.shape))
             self.val_fn = jax.jit(lambda params, x, y: validation_losses(
                 nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1))
+
+    def __call__(self, params, step, log):
+        """The evaluations due after step `step` of the run: grid, validation loss, FID."""
+        args = self.args
+        if step % args.sample_every == 0 or step == args.steps:
+            self.grid(params, step, log)
+        if args.val_images and (step % args.val_every == 0 or step == args.steps):
+            self.validation(params, step, log)
+        if args.fid_every and step % args.fid_every == 0:
+            self.fid(params, step, args.fid_samples, log)
 
     def validation(self, params, step, log):
         """The validation loss at each of VAL_TIMES and its mean, into the log."""
@@ -3220,8 +3409,8 @@ def bench(args):
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
-    step_fn = jit_train_step(graphdef, make_objective(args.objective), tx, 0.9999, False, 0, mesh,
-                             shardings)
+    objective = make_objective(args.objective)
+    step_fn = jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings)
     batch = NamedSharding(mesh, P("data"))
     n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (n, *shape)), batch)
@@ -3259,11 +3448,12 @@ def bench(args):
     figures = {"ms_per_step": 1000 * seconds, "images_per_s": n / seconds,
                "forward_images_per_s": n / forward_s}
     if args.fid:
-        figures["fid_seconds"] = bench_fid(args, cfg, graphdef, state["params"], mesh, shape)
+        figures["fid_seconds"] = bench_fid(args, cfg, objective, graphdef, state["params"], mesh,
+                                           shape)
     return figures
 
 
-def bench_fid(args, cfg, graphdef, params, mesh, shape):
+def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
     """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
     guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype's precision, the Inception
     statistics and features (fid.evaluate, adm protocol), Precision and Recall against N reference
@@ -3275,8 +3465,8 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
                                                    rngs=nnx.Rngs(0)))
     fid = fid_module()
     inception = random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
-    method, steps = DEFAULT_SAMPLER[args.objective]
-    sampler = Sampler(graphdef, make_objective(args.objective), mesh, steps=steps, method=method,
+    method, steps = objective.default_method, objective.default_steps
+    sampler = Sampler(graphdef, objective, mesh, steps=steps, method=method,
                       cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
     b = args.batch_size
     start = time.perf_counter()
@@ -3307,6 +3497,62 @@ def bench_fid(args, cfg, graphdef, params, mesh, shape):
 #                                15. Command line                               #
 #################################################################################
 
+def run_cli(main, argv=None):
+    """Run a command line's `main(argv)`. A failure on the user's input ends the process with
+    status 1 and one line on stderr (one_line); any other exception is a bug and keeps its
+    traceback."""
+    try:
+        return main(argv)
+    except (InputError, OSError) as e:
+        raise SystemExit(one_line(e)) from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, except that a bad option raises InputError rather than printing the
+    usage and exiting: one line from the command line, and in a notebook, one line with the
+    kernel alive."""
+
+    def error(self, message):
+        raise InputError(f"{message} (--help lists the options)")
+
+
+def _at_least(minimum):
+    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
+                                             f"{text!r}")
+        return value
+    return whole_number
+
+
+positive_int, non_negative_int = _at_least(1), _at_least(0)
+
+
+def positive_float(text):
+    """The argparse type of scales: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
+@contextlib.contextmanager
+def flag(name):
+    """An InputError of the core about the value that the option `name` gave, with its name."""
+    try:
+        yield
+    except InputError as e:
+        raise InputError(f"{name}: {e}") from None
+
+
 def float_list(text):
     """The argparse type of comma-separated numbers: "1,1.5,2" -> [1.0, 1.5, 2.0]."""
     try:
@@ -3334,15 +3580,18 @@ def sample_command(args):
     fid = fid_module() if args.fid and args.ref else None
     reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
     model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
-    default_method, default_steps = DEFAULT_SAMPLER[meta["objective"]["name"]]
-    steps, method = args.steps or default_steps, args.sampler or default_method
+    steps = args.steps or objective.default_steps
+    method = args.sampler or objective.default_method
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
-        f"{model.cfg.input_size}x{model.cfg.in_channels}, {meta['objective']['name']}")
+        f"{model.cfg.input_size}x{model.cfg.in_channels}, {objective.name}")
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
-                         f"({meta['objective']['name']}); use {' or '.join(objective.METHODS)}")
+                         f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
     cfg = model.cfg
+    for scale in scales:
+        with flag(f"--cfg-scale {scale:g}"):
+            guides(cfg, scale)
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
                          f"model")
@@ -3427,9 +3676,9 @@ def model_options(size=None, patch=None):
                        ("rope", "2-D rotary position embeddings")]:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
                        help=f"{what} (default: as --arch says), for ablations")
-    p.add_argument("--objective", default="rf", choices=["rf", "ddpm"],
-                   help="rectified flow, or DiT's DDPM with learned variance (exact paper "
-                   "reproduction)")
+    p.add_argument("--objective", default="rf", choices=list(OBJECTIVES),
+                   help="rectified flow; DiT's DDPM with learned variance (exact paper "
+                   "reproduction); or EDM (Karras et al. 2022)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                    help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on "
                    "TPUs and NVIDIA GPUs from Ampere on, fp16 on older GPUs, fp32 on CPUs)")
@@ -3442,7 +3691,8 @@ def model_options(size=None, patch=None):
 
 
 def build_parser():
-    steps_default = f"(default: rf {DEFAULT_SAMPLER['rf'][1]}, ddpm {DEFAULT_SAMPLER['ddpm'][1]})"
+    steps_default = "(default: " + ", ".join(f"{name} {objective.default_steps}"
+                                             for name, objective in OBJECTIVES.items()) + ")"
     # Options of the commands that load weights and may run on several hosts.
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
@@ -3479,7 +3729,7 @@ def build_parser():
                    help="distribution of rectified flow's training times")
     t.add_argument("--ln-loc", type=float, default=0.0,
                    help="mean of the logit-normal timestep distribution")
-    t.add_argument("--ln-scale", type=float, default=1.0,
+    t.add_argument("--ln-scale", type=positive_float, default=1.0,
                    help="scale of the logit-normal timestep distribution")
     t.add_argument("--batch-size", type=positive_int,
                    help="global batch over all devices and hosts")
@@ -3516,7 +3766,7 @@ def build_parser():
                    "(default: --sample-every)")
     t.add_argument("--sample-steps", type=positive_int,
                    help=f"sampling steps of the grids and FID {steps_default}")
-    t.add_argument("--cfg-scale", type=float, default=4.0,
+    t.add_argument("--cfg-scale", type=float, default=GRID_CFG_SCALE,
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=non_negative_int, default=0,
                    help="FID every N steps (0: never)")
@@ -3542,8 +3792,9 @@ def build_parser():
                    f"a grid, {FID_CFG_SCALE:g} for --fid); with --fid, comma-separated scales "
                    f"are each sampled and scored")
     s.add_argument("--steps", type=positive_int, help=f"sampling steps {steps_default}")
-    s.add_argument("--sampler", choices=[*RectifiedFlow.METHODS, *GaussianDiffusion.METHODS],
-                   help="rf: heun (default) or euler; ddpm: ddpm (default) or ddim")
+    s.add_argument("--sampler", choices=sorted({m for o in OBJECTIVES.values() for m in o.METHODS}),
+                   help="; ".join(f"{name}: {' or '.join(o.METHODS)} (default {o.default_method})"
+                                  for name, o in OBJECTIVES.items()))
     s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
                    help="guide all channels, or the first 3 as the official FID figures were "
                    "computed")
@@ -3616,7 +3867,7 @@ def main(argv=None):
     if args.val_images % jax.device_count():
         raise InputError(f"--val-images {args.val_images} does not split over "
                          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
-    args.sample_steps = args.sample_steps or DEFAULT_SAMPLER[args.objective][1]
+    args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
     args.run_dir = (args.run_dir
                     or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))
     return train(args)
@@ -3630,75 +3881,11 @@ def main(argv=None):
 # Every byte that comes from a file a user gave or downloaded is read here, by readers that check
 # each claim of the file (a length, a shape, an offset) against what is really there before
 # allocating anything, and that run no code from it. A file that fails a check raises InputError,
-# which names the file and says what to do; the command lines print it as one line (run_cli). The
-# harness above calls each reader in one line.
+# which names the file and says what to do; the command lines print it as one line (run_cli,
+# section 15). The harness above calls each reader in one line.
 
 #################################################################################
-#                          16. Errors the user can fix                          #
-#################################################################################
-
-class InputError(ValueError):
-    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
-
-    The message names it and says what to do. The command lines (run_cli) print that message
-    alone, on one line and without a traceback; any other exception is a bug and keeps its
-    traceback. A ValueError, so that code catching bad values catches these too.
-    """
-
-    def _render_traceback_(self):
-        """What IPython and Jupyter show of it in place of a traceback: the same one line."""
-        return [one_line(self)]
-
-
-def one_line(e):
-    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
-    missing file, a full disk)."""
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
-    else:
-        message = str(e)
-    # A message can quote another library's error text, which may span lines.
-    return "error: " + " ".join(message.splitlines())
-
-
-def run_cli(main, argv=None):
-    """Run a command line's `main(argv)`. A failure on the user's input ends the process with
-    status 1 and one line on stderr (one_line); any other exception is a bug and keeps its
-    traceback."""
-    try:
-        return main(argv)
-    except (InputError, OSError) as e:
-        raise SystemExit(one_line(e)) from None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser, except that a bad option raises InputError rather than printing the
-    usage and exiting: one line from the command line, and in a notebook, one line with the
-    kernel alive."""
-
-    def error(self, message):
-        raise InputError(f"{message} (--help lists the options)")
-
-
-def _at_least(minimum):
-    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
-    def whole_number(text):
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
-                                             f"{text!r}")
-        return value
-    return whole_number
-
-
-positive_int, non_negative_int = _at_least(1), _at_least(0)
-
-
-#################################################################################
-#                  17. Pickles and PyTorch files, without torch                 #
+#                  16. Pickles and PyTorch files, without torch                 #
 #################################################################################
 
 class UnsafePickleError(InputError, pickle.UnpicklingError):
@@ -4086,7 +4273,7 @@ def load_torch(path):
 
 
 #################################################################################
-#             18. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
+#             17. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
 #################################################################################
 
 # Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
@@ -4350,7 +4537,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 
 
 #################################################################################
-#                             19. JSON and downloads                            #
+#                             18. JSON and downloads                            #
 #################################################################################
 
 def read_json(path, valid, expected, fix):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 import scipy.special
-from flax import nnx, traverse_util
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
@@ -325,70 +325,27 @@ class InceptionV3(nnx.Module):
 
 
 #################################################################################
-#               Weights: pytorch-fid's file -> converted and cached              #
+#                Weights: pytorch-fid's file, read once and cached               #
 #################################################################################
 
 FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/"
                    "pt_inception-2015-12-05-6726825d.pth")
 FID_WEIGHTS_NAME = os.path.basename(FID_WEIGHTS_URL)
 FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
+_PASS_OFFICIAL = f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}"
 
 
-def _convert_torch_weights(state_dict, source):
-    """pytorch-fid's state dict -> {"Mixed_5b/branch1x1/conv/kernel": array, ...} in the NNX model's
-    layout."""
+def _inception_with(state_dict, source):
+    """An InceptionV3 holding pytorch-fid's state dict, read by dit.py's one loader of PyTorch
+    weights (BatchNorm's training counter, num_batches_tracked, is not used at inference)."""
     if not (isinstance(state_dict, dict)
             and all(isinstance(v, np.ndarray) for v in state_dict.values())):
-        raise dit.InputError(
-            f"{source}: not pytorch-fid's FID Inception weights (not a state dict of "
-            f"tensors). Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}")
-    params = {}
-    for key, value in state_dict.items():
-        *module, name = key.split(".")
-        if name == "num_batches_tracked":  # BatchNorm's training counter, unused at inference
-            continue
-        if value.ndim == 4:  # convolution (out, in, kh, kw) -> (kh, kw, in, out)
-            name, value = "kernel", value.transpose(2, 3, 1, 0)
-        elif value.ndim == 2:  # fc (out, in) -> (in, out)
-            name, value = "kernel", value.T
-        else:  # BatchNorm gamma, beta, running statistics; fc bias
-            name = {"weight": "scale", "running_mean": "mean", "running_var": "var"}.get(name, name)
-        params["/".join([*module, name])] = np.ascontiguousarray(value, np.float32)
-    return params
-
-
-def _torch_key(key):
-    """"Mixed_5b/branch1x1/bn/mean" -> "Mixed_5b.branch1x1.bn.running_mean", the inverse of the
-    renaming above."""
-    *module, name = key.split("/")
-    name = {"kernel": "weight", "scale": "weight", "mean": "running_mean",
-            "var": "running_var"}.get(name, name)
-    return ".".join([*module, name])
-
-
-def _build_inception(params, source):
-    """An InceptionV3 holding `params`, after checking that they are exactly the ones it needs."""
+        raise dit.InputError(f"{source}: not a state dict of tensors. {_PASS_OFFICIAL}")
     # shapes only, nothing initialised
     abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    expected = {"/".join(map(str, path)): var.get_value().shape
-                for path, var in nnx.to_flat_state(state)}
-    missing = sorted(set(expected) - set(params))
-    unexpected = sorted(set(params) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(params) if params[k].shape != expected[k])
-    if missing or unexpected or wrong:
-        def show(keys):  # the first few, named as in the torch file
-            return ", ".join(map(_torch_key, keys[:3])) + (f" and {len(keys) - 3} more"
-                                                           if len(keys) > 3 else "")
-        problems = [f"{label}: {show(keys)}" for label, keys in
-                    (("missing", missing), ("unexpected", unexpected),
-                     ("wrong shape", wrong)) if keys]
-        raise dit.InputError(f"{source}: not pytorch-fid's FID Inception weights "
-                             f"({'; '.join(problems)}). Pass {FID_WEIGHTS_NAME} from "
-                             f"{FID_WEIGHTS_URL}")
-    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
-        {tuple(key.split("/")): jnp.asarray(value) for key, value in params.items()}))
-    return nnx.merge(graphdef, state)
+    return dit.load_torch_weights(abstract, state_dict, source,
+                                  f"not pytorch-fid's FID Inception weights. {_PASS_OFFICIAL}",
+                                  skip=r".*\.num_batches_tracked")
 
 
 def load_inception(path=None, cache_dir=None):
@@ -398,8 +355,8 @@ def load_inception(path=None, cache_dir=None):
     Without a path the file is looked for in the cache directory ($DIT_CACHE or ~/.cache/dit-jax)
     and downloaded there when missing. A file under the official name must have the official sha256;
     another file (e.g. the random-weight test fixture) is accepted with a warning that its numbers
-    are not comparable with published ones. The converted parameters are cached as an .npz named by
-    the file's hash.
+    are not comparable with published ones. Its state dict is cached as an .npz named by the file's
+    hash, which reads without the pickle's parsing.
     """
     cache_dir = cache_dir or dit.default_cache_dir()
     if path is None:
@@ -415,20 +372,20 @@ def load_inception(path=None, cache_dir=None):
         raise dit.InputError(f"{path}: sha256 {digest} differs from the official "
                              f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
                              f"and run again to download it afresh")
-    converted = os.path.join(cache_dir, f"inception-{digest[:16]}.npz")
-    if os.path.exists(converted):
-        inception = _build_inception(dit.read_npz(converted), path)
+    cached = os.path.join(cache_dir, f"inception-{digest[:16]}-state-dict.npz")
+    if os.path.exists(cached):
+        inception = _inception_with(dit.read_npz(cached), path)
     else:
-        params = _convert_torch_weights(dit.load_torch(path), path)
-        inception = _build_inception(params, path)  # checks the weights before they are cached
+        state_dict = dit.load_torch(path)
+        inception = _inception_with(state_dict, path)  # checks the weights before they are cached
         try:  # write then rename, so that an interrupted run never leaves half a cache file
             os.makedirs(cache_dir, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".npz", delete=False) as f:
-                np.savez(f, **params)
-            os.replace(f.name, converted)
+                np.savez(f, **state_dict)
+            os.replace(f.name, cached)
         except OSError as e:
-            warnings.warn(f"could not cache the converted Inception weights in {cache_dir} ({e}); "
-                          f"they will be converted again next time")
+            warnings.warn(f"could not cache the Inception weights in {cache_dir} ({e}); they "
+                          f"will be read from {path} again next time")
     if digest != FID_WEIGHTS_SHA256:  # only once the file has loaded: a failed run ends in one line
         warnings.warn(f"{path} is not pytorch-fid's official Inception weights (sha256 "
                       f"{digest[:12]}...): FID and Inception Score computed with it are not "
