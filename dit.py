@@ -21,6 +21,7 @@ Part III reads the files that come from outside, checking every claim they make.
       7. Sampling                         noise and labels in, samples out
     Part II: the harness
          DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
+         Deferred masking                 MicroDiT's cheaper step: mix every patch, train on a share
          EDM                              a third objective; OBJECTIVES, the one list of them
          Memory and speed                 recomputation, fused attention, float32 matrix products
       8. Weight files                     PyTorch state dicts (DiT, VAE, Inception), safetensors
@@ -43,6 +44,7 @@ call main(["--size", "S", ...]) with the same arguments.
 import argparse
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import gzip
@@ -863,11 +865,19 @@ def loss_gradient(loss_fn, state):
     return jax.grad(loss_fn, has_aux=True)(state["params"])
 
 
+def batch_losses(objective, model, x, y, key, drop_key):
+    """The objective's per-sample training losses of the model on the batch x (B, H, W, C), y (B,):
+    timesteps and noise drawn from key, the label dropout from drop_key."""
+    return objective.training_losses(lambda xt, t: model(xt, t, y, drop_key=drop_key), x, key)
+
+
 def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
-                    gradient=loss_gradient):
+                    gradient=loss_gradient, batch_losses=batch_losses):
     """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
     the metrics being the mean loss, the gradient's norm and the per-sample `losses` of the
-    objective. `gradient` computes the gradients from the loss (the harness scales float16's).
+    objective. `gradient` computes the gradients from the loss (the harness scales float16's),
+    `batch_losses` the per-sample losses (the harness's deferred masking counts a share of the
+    patches).
 
     The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
     so a resumed run draws exactly what an uninterrupted one would, on any number of devices.
@@ -877,9 +887,8 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
         key_objective, key_drop = jax.random.split(key)
 
         def loss_fn(params):
-            model = nnx.merge(graphdef, params)
-            model_fn = lambda xt, t: model(xt, t, y, drop_key=key_drop)  # noqa: E731
-            losses = objective.training_losses(model_fn, x, key_objective)
+            losses = batch_losses(objective, nnx.merge(graphdef, params), x, y, key_objective,
+                                  key_drop)
             return losses["loss"].mean(), losses
 
         grads, losses = gradient(loss_fn, state)
@@ -970,10 +979,17 @@ def rope_tables(head_dim, grid):
 
 def apply_rope(x, cos, sin):
     """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by the angles of
-    rope_tables: then q . k depends on the two patches' positions only through their offset."""
+    rope_tables, (T, d) or each sample's own (B, T, d): then q . k depends on the two patches'
+    positions only through their offset."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos[:, None].astype(x.dtype) + rotated * sin[:, None].astype(x.dtype)
+    return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
+
+
+# The patch of each token (B, T) while deferred masking's backbone runs on the tokens it kept (below);
+# None while the tokens are the whole grid in order. A context, as matmul_precision's, rather than
+# an argument, so that the paper's block (section 3) passes the tokens on unchanged.
+kept_patches = contextvars.ContextVar("kept_patches", default=None)
 
 
 class DiTPlusAttention(Attention):
@@ -999,6 +1015,8 @@ class DiTPlusAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_grid is not None:
             rope = tuple(jnp.asarray(a) for a in rope_tables(q.shape[-1], self.rope_grid))
+            if kept_patches.get() is not None:  # each token turns by its own patch's position
+                rope = tuple(a[kept_patches.get()] for a in rope)        # each (B, T, D/H)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k
 
@@ -1068,6 +1086,81 @@ class DiTPlus(DiT):
     def __call__(self, x, t, y, drop_key=None):
         with matmul_precision(self.dtype):
             return super().__call__(x, t, y, drop_key)
+
+
+#################################################################################
+#                                Deferred masking                               #
+#################################################################################
+# MicroDiT's cheaper training step (Sehwag et al. 2024, "Stretching Each Dollar: Diffusion Training
+# from Scratch on a Micro-Budget", Sec. 3): a patch-mixer sees every patch token; then a random
+# share of the tokens is dropped and the backbone works on the rest; the loss counts only the
+# patches that were kept. The paper reports that masking the input directly (MaskDiT without its
+# decoder) loses quality at high ratios where masking after the mixer keeps it: each kept token
+# already carries what the mixer gathered from the dropped ones. Sampling and validation always see
+# every patch.
+#
+# The mixer is the model's own first `mixer_depth` blocks, the backbone the blocks after them:
+# DiTPlus's blocks, adaLN-Zero-conditioned on t and y like the others. MicroDiT's mixer is its
+# backbone's block too, conditioned as the backbone is (adaLN on the timestep and the pooled
+# caption, cross-attention to the caption), at the backbone's width in its small models: what a
+# token should gather from its neighbours before they are dropped depends on the noise level and
+# the class, which plain transformer blocks would not see (a comparison with them is not measured
+# here). Taking the mixer from the model's depth keeps the parameter count (DiT-S/2's at S/2, with
+# a backbone two blocks shallower at the default depth 2), and makes a model trained so a plain
+# DiTPlus: it samples, exports and loads as one.
+
+def scatter_patches(model, tokens, keep):
+    """Tokens of the kept patches (B, T_keep, p*p*C), which keep (B, T_keep) names, back in the
+    image layout (B, H, W, C), zero at the dropped patches."""
+    B, T = keep.shape[0], model.cfg.grid ** 2
+    full = jnp.zeros((B, T, tokens.shape[-1]), tokens.dtype)
+    return model.unpatchify(full.at[jnp.arange(B)[:, None], keep].set(tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredMasking:
+    """The per-sample losses of a training step (make_train_step's `batch_losses`) that drops
+    `mask_ratio` of each image's patch tokens after the model's first `mixer_depth` blocks."""
+    mask_ratio: float
+    mixer_depth: int
+
+    def kept(self, T):
+        """How many of the T tokens the backbone sees."""
+        return max(1, round(T * (1 - self.mask_ratio)))
+
+    def __call__(self, objective, model, x, y, key, drop_key):
+        """batch_losses over the patches kept: a random share of each image's, drawn from key."""
+        key_keep, key = jax.random.split(key)
+        B, T, p = x.shape[0], model.cfg.grid ** 2, model.cfg.patch_size
+        order = jnp.argsort(jax.random.uniform(key_keep, (B, T)), axis=1)  # a random order per image
+        keep = order[:, :self.kept(T)]                                      # (B, T_keep)
+        mask = scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)  # (B, H, W, 1)
+        model_fn = lambda xt, t: self.forward(model, xt, t, y, drop_key, keep)  # noqa: E731
+        return objective.training_losses(model_fn, x, key, mask)
+
+    def forward(self, model, x, t, y, drop_key, keep):
+        """DiTPlus.__call__ (x (B, H, W, C), t, y, drop_key) trained on the patches that keep
+        (B, T_keep) names: its prediction (B, H, W, C_out), zero at the others."""
+        cfg = model.cfg
+        with matmul_precision(model.dtype):
+            x = model.x_embedder(x.astype(model.dtype))                     # (B, T, D)
+            x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), model.dtype)
+            c = model.t_embedder(t) + (model.y_embedder(y, drop_key) if cfg.num_classes else 0)
+            # 1. Mix: the mixer's blocks see every patch.
+            for block in model.blocks[:self.mixer_depth]:
+                x = block(x, c)                                              # (B, T, D)
+            # 2. Drop: each image keeps its own random share of the tokens.
+            x = jnp.take_along_axis(x, keep[..., None], axis=1)            # (B, T_keep, D)
+            # 3. Train on what is kept: the backbone's blocks, RoPE turning each token by its own
+            # patch's position, and the final layer predict the kept patches.
+            context = kept_patches.set(keep)
+            try:
+                for block in model.blocks[self.mixer_depth:]:
+                    x = block(x, c)                                          # (B, T_keep, D)
+            finally:
+                kept_patches.reset(context)
+            x = model.final_layer(x, c)                                      # (B, T_keep, p*p*C_out)
+        return scatter_patches(model, x, keep).astype(jnp.float32)         # (B, H, W, C_out)
 
 
 #################################################################################
@@ -2604,13 +2697,14 @@ def update_loss_scale(state, new_state, finite, period=2000):
 LOSS_BINS = 4
 
 
-def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False):
+def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False, masking=None):
     """The core's training step (make_train_step) as the training loop runs it: a float16 state
     scales its loss (scaled_grad), and a step whose gradients overflowed is skipped
     (update_loss_scale), with the scale and the skip in the metrics; the per-sample losses become
-    their sums and counts in each of the LOSS_BINS ranges of the noise level."""
+    their sums and counts in each of the LOSS_BINS ranges of the noise level. With `masking` (a
+    DeferredMasking), the losses are its."""
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
-                                gradient=scaled_grad)
+                                gradient=scaled_grad, batch_losses=masking or batch_losses)
 
     def train_step(state, x, y):
         new_state, metrics = core_step(state, x, y)
@@ -2677,13 +2771,39 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     return graphdef, state, shardings
 
 
-def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings):
+def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
+                   masking=None):
     """make_harness_step compiled for the mesh: the state keeps its shardings (and its buffers are
     reused for the next state), the batch is split over the devices."""
     batch = NamedSharding(mesh, P("data"))
-    return jax.jit(make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup),
+    return jax.jit(make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup, masking),
                    in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
                    donate_argnums=0)
+
+
+def deferred_masking(args, cfg):
+    """The DeferredMasking of --mask-ratio and --mixer-depth for a model of configuration cfg; None
+    without masking."""
+    if not args.mask_ratio:
+        return None
+    if not 0 < args.mask_ratio < 1:
+        raise InputError(f"--mask-ratio {args.mask_ratio:g}: the share of patches dropped lies "
+                         f"in [0, 1)")
+    if args.mixer_depth >= cfg.depth:
+        raise InputError(f"--mixer-depth {args.mixer_depth} leaves none of the model's "
+                         f"{cfg.depth} blocks to the backbone; use fewer")
+    return DeferredMasking(args.mask_ratio, args.mixer_depth)
+
+
+def train_steps(args, cfg, graphdef, objective, tx, mesh, shardings):
+    """step -> the compiled training step for that step: deferred masking's before --unmask-at,
+    the step on every patch after it (and throughout without masking). Each compiles when first
+    called."""
+    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
+                                    args.seed, mesh, shardings, masking)
+                     for masking in (deferred_masking(args, cfg), None))
+    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
+    return lambda step: masked if step < unmask_at else whole
 
 
 def open_run(args, cfg, ds, objective):
@@ -2692,10 +2812,12 @@ def open_run(args, cfg, ds, objective):
     the run's defining settings; an existing one must hold the same run, and the temporary files
     of a save that a crash interrupted are deleted. The data order follows from the dataset's size,
     so a dataset that changed could not resume exactly."""
+    masking = deferred_masking(args, cfg)
     settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds),
-                "num_classes": ds.num_classes}
+                "num_classes": ds.num_classes,
+                "masking": dataclasses.asdict(masking) if masking else None}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
-            "latent_scale": ds.latent_scale,
+            "unmask_at": args.unmask_at, "latent_scale": ds.latent_scale,
             "objective": objective_record(objective)}
     found = list_checkpoints(args.run_dir)
     checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
@@ -2958,8 +3080,7 @@ def train(args):
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
-    step_fn = jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup, args.seed,
-                             mesh, shardings)
+    step_fns = train_steps(args, cfg, graphdef, objective, tx, mesh, shardings)
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
     # The loop: a step on each global batch, assembled from each process's share, then the records,
@@ -2974,7 +3095,7 @@ def train(args):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
-            state, metrics = step_fn(state, x, y)
+            state, metrics = step_fns(step)(state, x, y)
             log.add(metrics)
             done = step + 1
             stopped = stop.reason(done) if done < args.steps else None
@@ -3397,8 +3518,9 @@ def timed(step, n, profile_dir, name):
 
 def bench(args):
     """Speed on synthetic data with random weights, on which speed does not depend: the training
-    step (ms per step, images/s, MFU, peak memory), the forward pass that every sampling step
-    repeats, and with --fid N, FID-N end to end (bench_fid). Returns the figures it prints."""
+    step (ms per step, images/s, MFU, peak memory), with --mask-ratio the masked step beside it, the
+    forward pass that every sampling step repeats, and with --fid N, FID-N end to end (bench_fid).
+    Returns the figures it prints."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
     latent_channels = VAEConfig().latent_channels
@@ -3409,22 +3531,31 @@ def bench(args):
     tx, _ = make_optimizer(1e-4)
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
-    objective = make_objective(args.objective)
-    step_fn = jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings)
+    objective, masking = make_objective(args.objective), deferred_masking(args, cfg)
+    step_fn, masked_fn = (jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings,
+                                         m) for m in (None, masking))
     batch = NamedSharding(mesh, P("data"))
     n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (n, *shape)), batch)
     y = jax.device_put(jnp.arange(n) % 1000, batch)
 
-    def train_step():
-        nonlocal state
-        state, metrics = step_fn(state, x, y)
-        return metrics["loss"]
+    def stepping(step_fn):
+        def train_step():
+            nonlocal state
+            state, metrics = step_fn(state, x, y)
+            return metrics["loss"]
+        return train_step
 
-    compile_s, seconds = timed(train_step, args.steps, args.profile, "train")
     device = jax.devices()[0]
     peak = next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
-    mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    memory = lambda: (device.memory_stats() or {}).get("peak_bytes_in_use")  # noqa: E731
+    gib = lambda mem: f"{mem / 2**30:.2f} GiB" if mem else "n/a"  # noqa: E731
+    # The masked step first: the peak memory is the largest since the start.
+    if masking:
+        masked_compile_s, masked_s = timed(stepping(masked_fn), args.steps, args.profile,
+                                           "masked")
+        masked_mem = memory()
+    compile_s, seconds = timed(stepping(step_fn), args.steps, args.profile, "train")
 
     def speed(flops, seconds):  # flops of one call, seconds per call
         mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
@@ -3438,15 +3569,21 @@ def bench(args):
           f"{', fsdp' if args.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
     # backward = twice the forward
     print(f"  train:   compile {compile_s:.1f} s | {speed(3 * dit_flops(cfg) * n, seconds)} | "
-          f"peak memory {f'{mem / 2**30:.2f} GiB' if mem else 'n/a'}")
+          f"peak memory {gib(memory())}")
+    figures = {"ms_per_step": 1000 * seconds, "images_per_s": n / seconds}
+    if masking:
+        tokens = masking.kept(cfg.grid ** 2)
+        print(f"  masked:  compile {masked_compile_s:.1f} s | {1000 * masked_s:.1f} ms/step | "
+              f"{n / masked_s:.1f} images/s, {seconds / masked_s:.2f}x | the backbone on {tokens} "
+              f"of {cfg.grid ** 2} tokens | peak memory {gib(masked_mem)}")
+        figures |= {"masked_ms_per_step": 1000 * masked_s, "masked_images_per_s": n / masked_s}
     forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
                       in_shardings=(None, batch, batch, batch))
     t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
     compile_s, forward_s = timed(lambda: forward(state["params"], x, t, y), args.steps,
                                  args.profile, "forward")
     print(f"  forward: compile {compile_s:.1f} s | {speed(dit_flops(cfg) * n, forward_s)}")
-    figures = {"ms_per_step": 1000 * seconds, "images_per_s": n / seconds,
-               "forward_images_per_s": n / forward_s}
+    figures["forward_images_per_s"] = n / forward_s
     if args.fid:
         figures["fid_seconds"] = bench_fid(args, cfg, objective, graphdef, state["params"], mesh,
                                            shape)
@@ -3687,6 +3824,12 @@ def model_options(size=None, patch=None):
                    "the matrix products' outputs, full only each block's input")
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters and optimizer state over the devices")
+    p.add_argument("--mask-ratio", type=float, default=0.0, metavar="R",
+                   help="deferred masking (MicroDiT): train the blocks after the mixer on a random "
+                   "1 - R of each image's patches (0: every patch); sampling sees every patch")
+    p.add_argument("--mixer-depth", type=non_negative_int, default=2, metavar="N",
+                   help="with --mask-ratio: the model's first N blocks, which see every patch "
+                   "(default: 2)")
     return p
 
 
@@ -3758,6 +3901,9 @@ def build_parser():
                    help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before "
                    "a notebook session or a job ends (Ctrl-C and SIGTERM stop the same way); the "
                    "same command continues")
+    t.add_argument("--unmask-at", type=non_negative_int, metavar="STEP",
+                   help="with --mask-ratio: train on every patch after this many steps (a final "
+                   "phase; a resumed run may set or move it)")
     t.add_argument("--sample-every", type=positive_int, help="steps between sample grids")
     t.add_argument("--val-images", type=non_negative_int, default=0,
                    help="samples held out of training for "
