@@ -1169,6 +1169,82 @@ def test_sampling_errors_are_clear(tmp_path):
 
 
 #################################################################################
+#                                Deferred masking                               #
+#################################################################################
+
+
+def masking_model(arch, depth=2):
+    """A small DiTPlus of the architecture (RoPE on under DiT+) with random weights everywhere,
+    adaLN and the final layer's included (their zero initialisation would hide what each token
+    sees)."""
+    cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=depth,
+                        num_heads=2, num_classes=3, learn_sigma=False, **dit.ARCHS[arch])
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: dit.DiTPlus(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda p: jnp.asarray(0.3 * rng.standard_normal(p.shape, np.float32)),
+                          params)
+    return nnx.merge(graphdef, params)
+
+
+@pytest.mark.parametrize("arch", [pytest.param("dit", marks=slow), "dit+"])
+def test_deferred_masking_on_every_patch_in_any_order_is_the_model(arch):
+    """The masked forward pass given every patch, in a random order per image, computes what the
+    model computes: the tokens are gathered and scattered back by their patch, and DiT+'s RoPE
+    turns each by its own patch's position, not by its place in the sequence (without that, the
+    test fails for DiT+)."""
+    model = masking_model(arch)
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    t, y = jnp.array([100.0, 700.0]), jnp.array([0, 2])
+    order = jnp.stack([jax.random.permutation(jax.random.key(i), 16) for i in range(2)])
+    masked = dit.DeferredMasking(0.5, 1).forward(model, x, t, y, None, order)
+    np.testing.assert_allclose(masked, model(x, t, y), rtol=1e-5, atol=1e-5)
+    assert dit.kept_patches.get() is None  # the model called after it sees the whole grid
+
+
+class LossRecorder:
+    """An objective that keeps the model function and the mask that training_losses is given."""
+
+    def training_losses(self, model_fn, x0, key, mask=None):
+        self.model_fn, self.mask = model_fn, mask
+        return {}
+
+
+@slow
+def test_deferred_masking_predicts_the_kept_patches_from_what_the_mixer_saw():
+    """The mask of a step: the same number of whole patches in every image, a different set in each,
+    from the step's key alone. The prediction is zero at the dropped patches; at the kept ones it
+    depends on the dropped patches' input only through the mixer: without one (MaskDiT's input
+    masking) not at all."""
+    model = masking_model("dit+")
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+    t, y = jnp.full(4, 500.0), jnp.arange(4) % 3
+
+    def step(masking, key):  # (model function, mask) of a step
+        recorder = LossRecorder()
+        masking(recorder, model, x, y, key, None)
+        return recorder.model_fn, recorder.mask
+
+    masking = dit.DeferredMasking(0.75, 1)
+    model_fn, mask = step(masking, jax.random.key(1))
+    assert mask.shape == (4, 8, 8, 1)
+    patches = np.asarray(mask[..., 0]).reshape(4, 4, 2, 4, 2).transpose(0, 1, 3, 2, 4)
+    assert np.all(patches.min((-1, -2)) == patches.max((-1, -2)))  # whole patches
+    kept = patches[..., 0, 0].reshape(4, 16)
+    assert list(kept.sum(1)) == [masking.kept(16)] * 4 == [4] * 4
+    assert len({tuple(k) for k in kept}) == 4
+    np.testing.assert_array_equal(step(masking, jax.random.key(1))[1], mask)
+    out = model_fn(x, t)
+    assert np.all(np.asarray(out)[np.asarray(mask[..., 0]) == 0] == 0)
+    # the input changed at the dropped patches only
+    x2 = x + 5 * (1 - mask) * jax.random.normal(jax.random.key(2), x.shape)
+    keep = np.asarray(mask[..., 0]) == 1
+    assert not np.allclose(np.asarray(model_fn(x2, t))[keep], np.asarray(out)[keep], atol=1e-3)
+    fn, mask0 = step(dit.DeferredMasking(0.75, 0), jax.random.key(1))
+    np.testing.assert_array_equal(mask0, mask)
+    np.testing.assert_allclose(fn(x2, t), fn(x, t), rtol=1e-5, atol=1e-6)
+
+
+#################################################################################
 #                                8. Weight files                                #
 #################################################################################
 
@@ -2215,17 +2291,58 @@ def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text):
         dit.main(["--time-limit", text])
 
 
+# DiT+ (RoPE on the kept tokens) with deferred masking, every patch after step 3, checkpoints every
+# 2 steps.
+MASKING = ["--arch", "dit+", "--mask-ratio", "0.5", "--mixer-depth", "1", "--ckpt-every", "2",
+           "--unmask-at", "3"]
+
+
+@pytest.fixture(scope="module")
+def masked_run(tmp_path_factory, folder_data):
+    """Six uninterrupted steps with MASKING on one device: checkpoints at steps 2, 4 and 6,
+    validation losses at 3 and 6."""
+    run_dir = tmp_path_factory.mktemp("masked") / "run"
+    run_dit(run_dir.parent, train_args(folder_data, run_dir, 6, [*VALIDATION, *MASKING]))
+    return run_dir
+
+
 @slow
-def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, straight_run):
+def test_masked_training_resumes_exactly(tmp_path, folder_data, masked_run):
+    """With deferred masking, a run resumed at step 2 (a masked step, then the final phase on every
+    patch) ends bit for bit as the uninterrupted one. The masking is recorded and defines the run;
+    --unmask-at may move when a run resumes, and moving it changes what is trained."""
+    step2 = str(masked_run / "checkpoints" / "step_0000002.npz")
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6,
+                                 [*VALIDATION, *MASKING, "--resume", step2]))
+    a, b = state_at(masked_run, 6), final_state(tmp_path / "resumed")[1]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert ([r for r in records(tmp_path / "resumed") if "val_loss" in r]
+            == [r for r in records(masked_run) if "val_loss" in r])
+    meta = final_state(masked_run)[0]
+    assert meta["settings"]["masking"] == {"mask_ratio": 0.5, "mixer_depth": 1}
+    assert meta["unmask_at"] == 3
+    with pytest.raises(dit.InputError, match=re.escape(
+            "holds another run (masking: {'mask_ratio': 0.5, 'mixer_depth': 1} -> None)")):
+        dit.main(train_args(folder_data, masked_run, 9, [*VALIDATION, "--arch", "dit+"]))
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "later", 6,
+                                 [*VALIDATION, *MASKING[:-1], "6", "--resume", step2]))
+    c = final_state(tmp_path / "later")[1]
+    assert not all(np.array_equal(a[k], c[k]) for k in a)
+
+
+@slow
+def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, masked_run):
     """The 8 devices of a TPU v3-8 sharing the batch (one sample each) and, with --fsdp, the
-    parameters and optimizer state == 1 device (sharing the batch alone is what
+    parameters and optimizer state == 1 device, over three steps with deferred masking (each image
+    keeps the same patches wherever it is) and one on every patch (sharing the batch alone is what
     test_two_hosts_equal_one runs, on 2 x 2 devices)."""
-    run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 3, [*VALIDATION, "--fsdp"]),
-            devices=8)
-    one = state_at(straight_run, 3)
-    assert int(one["step"]) == 3
+    run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 4,
+                                 [*VALIDATION, *MASKING, "--fsdp"]), devices=8)
+    one = state_at(masked_run, 4)
+    assert int(one["step"]) == 4
     # the parameters moved: the comparison is not between two untouched initialisations
-    meta, _ = final_state(straight_run)
+    meta, _ = final_state(masked_run)
     start = nnx.to_pure_dict(nnx.state(dit.DiT(dit.DiTConfig(**meta["model"]), rngs=nnx.Rngs(0)),
                                        nnx.Param))
     assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"],
@@ -2529,15 +2646,17 @@ def test_bench_reports_figures(tmp_path):
     profile = tmp_path / "profile"
     out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "4",
                              "--batch-size", "4", "--precision", "fp32", "--steps", "2", "--fid",
-                             "6", "--profile", str(profile)], devices=2)
+                             "6", "--profile", str(profile), "--mask-ratio", "0.5",
+                             "--mixer-depth", "1"], devices=2)
     lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines()}
-    for name in ("train", "forward"):
+    for name in ("train", "masked", "forward"):
         figures = {unit: float(value) for value, unit in
                    re.findall(r"([\d.]+) (s|ms/step|images/s|TFLOP/s)", lines[name])}
         assert figures["s"] > 0 and figures["ms/step"] > 0, lines[name]
         # ms/step is printed to 0.1
         assert figures["ms/step"] == pytest.approx(1000 * 4 / figures["images/s"], abs=0.051)
-        assert "MFU n/a" in lines[name]  # a CPU has no known peak
+        assert "MFU n/a" in lines[name] or name == "masked"  # a CPU has no known peak
+    assert "the backbone on 2 of 4 tokens" in lines["masked"]
     [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
     assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
     seconds = {name: float(value) for name, value in re.findall(r"(\w+) ([\d.]+) s\b", fid_line)}
@@ -2548,6 +2667,7 @@ def test_bench_reports_figures(tmp_path):
     images_per_s = float(re.search(r"([\d.]+) images/s", fid_line).group(1))
     assert images_per_s == pytest.approx(6 / seconds["total"], abs=0.006)
     assert executions(profile / "train", "train_step") == 2
+    assert executions(profile / "masked", "train_step") == 2
     assert executions(profile / "forward", "<lambda>") == 2
     assert glob.glob(str(profile / "fid" / "plugins" / "profile" / "*" / "*.xplane.pb"))
 
@@ -2571,6 +2691,9 @@ def test_flops_match_the_paper():
     (["--patch", "4", "--resolution", "6"], "--patch 4: the patch size 4 does not divide the input "
                                             "size 6"),
     (["--ln-scale", "0"], "argument --ln-scale: expected a number above 0"),
+    (["--mask-ratio", "1"], r"--mask-ratio 1: the share of patches dropped lies in \[0, 1\)"),
+    (["--mask-ratio", "0.5", "--mixer-depth", "6"],
+     "--mixer-depth 6 leaves none of the model's 6 blocks to the backbone"),
     (["sample", "--ckpt", "x.npz", "--fid", "8", "--gif", "x.gif"], "--gif animates a grid"),
     (["export", "--ckpt", "ema.safetensors", "--out", "x.safetensors"],
      r"export takes a training checkpoint \(.npz\)"),
@@ -3679,11 +3802,11 @@ def traced_init_state(cfg, tx, mesh, fsdp, dtype, remat):
 
 
 def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_init=False,
-                   **lowering):
-    """The programs of train(), over make_mesh's devices: the training step (jit_train_step), the
-    validation loss (jitted as the Evaluator jits it) and, with lower_init, the creation of the
-    state; `lowering`: lower's options. Returns (the state's shapes, the training step's
-    Exported)."""
+                   masking=None, **lowering):
+    """The programs of train(), over make_mesh's devices: the training step (jit_train_step, with
+    deferred `masking` when given), the validation loss (jitted as the Evaluator jits it) and, with
+    lower_init, the creation of the state; `lowering`: lower's options. Returns (the state's
+    shapes, the training step's Exported)."""
     mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-4, warmup=10, grad_clip=1.0)
     graphdef, state, shardings, init = traced_init_state(cfg, tx, mesh, fsdp,
                                                          dit.compute_dtype(precision), remat)
@@ -3693,7 +3816,8 @@ def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_
     split = NamedSharding(mesh, P("data"))
     x = spec((batch, cfg.input_size, cfg.input_size, cfg.in_channels), sharding=split)
     y = spec((batch,), jnp.int32, sharding=split)
-    step_fn = dit.jit_train_step(graphdef, objective, tx, 0.999, False, 0, mesh, shardings)
+    step_fn = dit.jit_train_step(graphdef, objective, tx, 0.999, False, 0, mesh, shardings,
+                                 masking)
     step = lower(step_fn, state, x, y, **lowering)
     lower(jax.jit(lambda params, x, y: dit.validation_losses(
         nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1)),
@@ -3717,6 +3841,17 @@ def test_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
     # float16 trains with loss scaling, in the state and in the step's metrics
     metrics = step.out_tree.unflatten(step.out_avals)[1]
     assert ("loss_scale" in state) == ("loss_scale" in metrics) == (precision == "fp16")
+
+
+@pytest.mark.usefixtures("xla_attention")
+@pytest.mark.parametrize("arch, objective, precision, remat", [("dit", "ddpm", "fp16", None),
+                                                               ("dit+", "rf", "bf16", "dots")])
+@slow
+def test_masked_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
+    """Deferred masking's step: a mixer block on every patch, the gathers of the kept tokens, the
+    backbone on them (DiT+'s RoPE at their positions), the scatter of their patches."""
+    lower_training(tiny_config(objective, arch, depth=2), objective, precision, remat,
+                   masking=dit.DeferredMasking(0.75, 1))
 
 
 # Each objective's samplers, unguided and guided (on the channels and in the interval that the
