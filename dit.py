@@ -986,9 +986,9 @@ def apply_rope(x, cos, sin):
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
 
 
-# The patch of each token (B, T) while deferred masking's backbone runs on the tokens it kept (below);
-# None while the tokens are the whole grid in order. A context, as matmul_precision's, rather than
-# an argument, so that the paper's block (section 3) passes the tokens on unchanged.
+# The patch of each token (B, T) while deferred masking's backbone runs on the tokens it kept
+# (below); None while the tokens are the whole grid in order. A context, as matmul_precision's,
+# rather than an argument, so that the paper's block (section 3) passes the tokens on unchanged.
 kept_patches = contextvars.ContextVar("kept_patches", default=None)
 
 
@@ -1132,7 +1132,7 @@ class DeferredMasking:
         """batch_losses over the patches kept: a random share of each image's, drawn from key."""
         key_keep, key = jax.random.split(key)
         B, T, p = x.shape[0], model.cfg.grid ** 2, model.cfg.patch_size
-        order = jnp.argsort(jax.random.uniform(key_keep, (B, T)), axis=1)  # a random order per image
+        order = jnp.argsort(jax.random.uniform(key_keep, (B, T)), axis=1)  # random, per image
         keep = order[:, :self.kept(T)]                                      # (B, T_keep)
         mask = scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)  # (B, H, W, 1)
         model_fn = lambda xt, t: self.forward(model, xt, t, y, drop_key, keep)  # noqa: E731
@@ -1148,19 +1148,19 @@ class DeferredMasking:
             c = model.t_embedder(t) + (model.y_embedder(y, drop_key) if cfg.num_classes else 0)
             # 1. Mix: the mixer's blocks see every patch.
             for block in model.blocks[:self.mixer_depth]:
-                x = block(x, c)                                              # (B, T, D)
+                x = block(x, c)                                             # (B, T, D)
             # 2. Drop: each image keeps its own random share of the tokens.
-            x = jnp.take_along_axis(x, keep[..., None], axis=1)            # (B, T_keep, D)
+            x = jnp.take_along_axis(x, keep[..., None], axis=1)             # (B, T_keep, D)
             # 3. Train on what is kept: the backbone's blocks, RoPE turning each token by its own
             # patch's position, and the final layer predict the kept patches.
             context = kept_patches.set(keep)
             try:
                 for block in model.blocks[self.mixer_depth:]:
-                    x = block(x, c)                                          # (B, T_keep, D)
+                    x = block(x, c)                                         # (B, T_keep, D)
             finally:
                 kept_patches.reset(context)
-            x = model.final_layer(x, c)                                      # (B, T_keep, p*p*C_out)
-        return scatter_patches(model, x, keep).astype(jnp.float32)         # (B, H, W, C_out)
+            x = model.final_layer(x, c)                                     # (B, T_keep, p*p*C_out)
+        return scatter_patches(model, x, keep).astype(jnp.float32)          # (B, H, W, C_out)
 
 
 #################################################################################
