@@ -113,9 +113,6 @@ DIT_SIZES = {
 }
 
 
-# A mistake of the user's (a bad argument, file or folder) is an InputError, which the command lines
-# print as one line; any other exception is a bug and keeps its traceback.
-
 class InputError(ValueError):
     """What the user gave (a file, folder, path, option or the data in them) cannot be used.
 
@@ -706,9 +703,7 @@ class GaussianDiffusion:
         deterministic, key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as
         DiT samples latents. Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting
         with noise) when asked."""
-        if method not in self.METHODS:
-            raise ValueError(f"unknown DDPM sampling method {method!r}; use "
-                             f"{' or '.join(map(repr, self.METHODS))}")
+        check_sampler(self, self.num_timesteps, method)
         if method == "ddpm" and key is None:
             raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a "
                              "PRNG key")
@@ -1853,19 +1848,16 @@ def _find_idx(data_dir: str, stem: str) -> str | None:
 def _load_mnist(data_dir: str) -> Dataset:
     """The official MNIST IDX files; the 10,000 test digits stand in for the training set when only
     they are there."""
-    images = _find_idx(data_dir, "train-images-idx3-ubyte")
-    labels = _find_idx(data_dir, "train-labels-idx1-ubyte")
-    if not (images and labels):
-        test_images = _find_idx(data_dir, "t10k-images-idx3-ubyte")
-        test_labels = _find_idx(data_dir, "t10k-labels-idx1-ubyte")
-        if test_images and test_labels:
-            images, labels = test_images, test_labels
-        else:
-            for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-                download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name],
-                             "md5")
-            images = os.path.join(data_dir, "train-images-idx3-ubyte.gz")
-            labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
+    for split in ("train", "t10k"):
+        images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
+        labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
+        if images and labels:
+            break
+    else:
+        for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+            download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name], "md5")
+        images, labels = (os.path.join(data_dir, f"train-{kind}-ubyte.gz")
+                          for kind in ("images-idx3", "labels-idx1"))
     x, y = read_idx(images), read_idx(labels)
     if "t10k" in os.path.basename(images):
         print(f"note: {data_dir} holds only the MNIST test set; training on its {len(x):,} digits")
@@ -1996,8 +1988,7 @@ def load_image(path, size=None):
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not halfway through the crop
             return (center_crop_arr(img, size) if size else np.asarray(img.convert("RGB"))), None
-    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is
-        # recorded as the reason
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -3122,25 +3113,21 @@ class Sampler:
     given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time spent sampling
     and decoding."""
 
-    def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale,
-                 guidance_channels=None, interval=None, vae=None, latent_scale=None,
-                 return_trajectory=False):
-        self.trajectory = return_trajectory
+    def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, **options):
+        # options: sample()'s (steps, method, cfg_scale, ..., return_trajectory)
+        self.trajectory = options.get("return_trajectory", False)
         batch = NamedSharding(mesh, P("data"))
 
         def run(params, noise, y, key):
-            return sample(nnx.merge(graphdef, params), objective, noise, y, key, steps=steps,
-                          method=method, cfg_scale=cfg_scale, guidance_channels=guidance_channels,
-                          interval=interval, return_trajectory=return_trajectory)
+            return sample(nnx.merge(graphdef, params), objective, noise, y, key, **options)
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
         # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too,
         # so that only bytes travel to the host. Its weights are copied to every device once, here.
+        self.vae = None
         if vae is not None:
             vae_graphdef, vae_params = nnx.split(vae)
             self.vae = (vae_graphdef, jax.device_put(vae_params, NamedSharding(mesh, P())))
-        else:
-            self.vae = None
 
         def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
             vae = nnx.merge(self.vae[0], vae_params)
@@ -3996,8 +3983,7 @@ class _StorageType(_Record):
     __slots__ = ("name", "dtype")
 
     def __init__(self, name):
-        self.name = name
-        self.dtype = np.dtype(_TORCH_STORAGE_DTYPES[name])
+        self.name, self.dtype = name, np.dtype(_TORCH_STORAGE_DTYPES[name])
 
 
 class _Storage(_Record):
@@ -4005,8 +3991,7 @@ class _Storage(_Record):
     __slots__ = ("storage_type", "numel", "data")
 
     def __init__(self, storage_type, numel):
-        self.storage_type = storage_type
-        self.numel = numel
+        self.storage_type, self.numel = storage_type, numel
         self.data = None  # 1-D numpy array of numel elements
 
 
@@ -4022,8 +4007,7 @@ class _Tensor(_Record):
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
                        backward_hooks=None, metadata=None):
-    """What torch calls to rebuild a tensor; here it only records where the tensor's elements
-    are."""
+    """What torch calls to rebuild a tensor; here it only records where its elements are."""
     return _Tensor(storage, storage_offset, size, stride)
 
 
@@ -4240,8 +4224,7 @@ def load_torch(path):
     Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the
     legacy format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any
     other global in the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come
-    back as float32. Every size the file claims is checked against the file's own size before
-    memory is allocated for it; a file that fails a check raises InputError naming it.
+    back as float32.
     """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
@@ -4287,8 +4270,7 @@ def read_npz(path, names=None):
     np.load allocates whatever an array's header claims before reading it, and reads zip entries
     that overlap; here every claim is checked first against the bytes that are really there, so
     that no file makes it allocate more than the file holds (1032 times that for
-    np.savez_compressed). Object arrays, which need pickle, are refused. A file that fails a check
-    raises InputError naming it.
+    np.savez_compressed). Object arrays, which need pickle, are refused.
     """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
@@ -4558,16 +4540,10 @@ def default_cache_dir():
     return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
 
 
-def file_digest(path, algorithm="sha256"):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, algorithm).hexdigest()
-
-
 def download(url, path, digest=None, algorithm="sha256"):
     """Fetch url into path. The bytes go to a temporary file that takes the final name only once
     complete and, when a published digest is given, verified: an interrupted or damaged download
-    never passes for the real file. Used for the Inception weights here and for the VAE and datasets
-    in dit.py."""
+    never passes for the real file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Named per host and process: hosts that share a cache folder can have equal process ids.
     tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
