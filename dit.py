@@ -467,8 +467,8 @@ def count_params(model):
 # doubled), their samplers METHODS with a default method and step count, training_losses and
 # losses_at (per-sample losses (B,) and each sample's noise level, a fraction in [0, 1] mapped from
 # the objective's own time; `time_at` maps it back), and sample(model_fn, noise, key, steps,
-# method). `mask`, weights broadcastable to the per-element loss
-# (B, H, W, C), restricts each loss to the masked elements; None is all of them.
+# method). `mask`, weights broadcastable to the per-element loss (B, H, W, C), restricts each loss
+# to the masked elements; None is all of them.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
@@ -588,8 +588,7 @@ class GaussianDiffusion:
     def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
         if not (isinstance(num_timesteps, int) and num_timesteps > 1):
             raise ValueError(f"num_timesteps must be an int > 1, got {num_timesteps!r}")
-        # Linear schedule of Ho et al.; scaled so that any T has roughly the same total noise as
-        # T = 1000
+        # Ho et al.'s linear schedule, scaled so that any T has about the total noise of T = 1000
         scale = 1000 / num_timesteps
         base_betas = np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
         base_alphas_cumprod = np.cumprod(1.0 - base_betas)
@@ -613,8 +612,7 @@ class GaussianDiffusion:
         self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
         self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
-        # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)
-        # (Ho et al. eq. 6-7)
+        # q(x_{t-1} | x_t, x_0) = N(coef1 x_0 + coef2 x_t, posterior_variance), Ho et al. eq. 6-7
         posterior_variance = (self.betas * (1.0 - self.alphas_cumprod_prev)
                               / (1.0 - self.alphas_cumprod))
         # the variance is 0 at t = 0; its log is clipped to the next value so that it stays finite
@@ -674,8 +672,7 @@ class GaussianDiffusion:
             true_mean, true_log_variance, p["mean"], p["log_variance"]), mask) / np.log(2.0)
         decoder_nll = -_mean_flat(_discretized_gaussian_log_likelihood(
             x0, p["mean"], 0.5 * p["log_variance"]), mask) / np.log(2.0)
-        # the first step (t = 0) has no posterior to match: its term is the likelihood of the data
-        # itself
+        # at t = 0 there is no posterior to match: the term is the likelihood of the data itself
         vb = jnp.where(t == 0, decoder_nll, kl)
         mse = _mean_flat((noise - eps) ** 2, mask)
         return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
@@ -720,8 +717,7 @@ class GaussianDiffusion:
                 keep_noise = (t != 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
                 x = p["mean"] + keep_noise * jnp.exp(0.5 * p["log_variance"]) * z
             else:
-                # re-derive eps from pred_xstart as the official code does (same value, same
-                # rounding)
+                # eps re-derived from pred_xstart as the official code does (the same rounding)
                 eps = ((_extract(self.sqrt_recip_alphas_cumprod, t, x.ndim) * x - p["pred_xstart"])
                        / _extract(self.sqrt_recipm1_alphas_cumprod, t, x.ndim))
                 alpha_bar_prev = _extract(self.alphas_cumprod_prev, t, x.ndim)
@@ -1311,8 +1307,7 @@ def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
     return set_params(model, values)
 
 
-# What a DiT weight file that fails load_torch_weights' checks holds. (pos_embed, the fixed table,
-# is recomputed, not loaded.)
+# What a DiT weight file that fails load_torch_weights' checks holds.
 DIT_WEIGHTS_FIX = "it holds another model size or configuration"
 
 
@@ -1370,10 +1365,9 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 #################################################################################
 # DiT never sees pixels at 256x256: it models the 32x32x4 latents of the Stable Diffusion VAE
 # (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse). Below is that
-# autoencoder written layer for layer as diffusers 0.42 builds it
-# (diffusers/models/autoencoders/vae.py, unets/unet_2d_blocks.py, resnet.py,
-# attention_processor.py), in NHWC, with a loader for the released weights that needs neither torch
-# nor the safetensors package.
+# autoencoder written layer for layer as diffusers 0.42 builds it (diffusers/models/autoencoders/
+# vae.py, unets/unet_2d_blocks.py, resnet.py, attention_processor.py), in NHWC, with a loader for
+# the released weights that needs neither torch nor the safetensors package.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2217,8 +2211,7 @@ class Loader:
             raise RuntimeError("a Loader can be iterated only once; make a new one (with "
                                "start_step) to restart")
         # `prefetch` threads each compute one of the next batches; numpy's random fills, casts and
-        # arithmetic release the GIL, so they run in parallel with each other and with the training
-        # step
+        # arithmetic release the GIL, so they run in parallel with each other and the training step
         self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="dit-data")
         steps = itertools.count(self.start_step)
         pending = deque(self._pool.submit(self.batch, next(steps)) for _ in range(self.prefetch))
@@ -3222,8 +3215,7 @@ def evaluate_samples(images, ref, inception):
     return fid_module().evaluate(share, ref=ref, inception=inception)
 
 
-# The noise levels (in [0, 1]) at which the validation loss is measured: the centres of the
-# LOSS_BINS ranges.
+# The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
@@ -4087,8 +4079,7 @@ def _materialize(path, obj, file_size):
                                  f"is damaged or was not written by torch.save")
             if 0 in obj.size:
                 return np.zeros(obj.size, data.dtype)
-            # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state
-            # dict needs it.
+            # A stride of 0 repeats elements, a few bytes asking for gigabytes; no state dict does.
             if math.prod(obj.size) > data.size:
                 raise InputError(f"{path}: tensor of size {obj.size} has more elements than its "
                                  f"storage ({data.size}); repeated (expanded) tensors are not "
@@ -4249,8 +4240,7 @@ def load_torch(path):
         except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError,
                 TypeError, AttributeError, KeyError, ValueError, OverflowError, MemoryError,
                 RecursionError, NotImplementedError, RuntimeError, OSError) as e:
-            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's
-            # internals.
+            # Anything a damaged pickle or zip directory can raise: name the file, not the parser.
             raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
                              f"{e}); download it again, or save it again with torch.save") from None
 
@@ -4410,8 +4400,7 @@ def write_safetensors(f, tensors, metadata):
         f.write(np.ascontiguousarray(t, "<f4").tobytes())
 
 
-# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the
-# page)
+# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, at the end)
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
@@ -4503,8 +4492,7 @@ class _CappedGzip(gzip.GzipFile):
 
 def _unpickle_cifar(f, where: str) -> dict:
     try:
-        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
-        # bytes
+        # encoding="bytes": Python 2's str objects inside (keys, pixel buffers) come back as bytes
         obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
     except UnsafePickleError as e:
         raise UnsafePickleError(f"{where}: {e}") from None
