@@ -1391,11 +1391,9 @@ class VAEConfig:
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda obj: isinstance(obj, dict), "a diffusers config (an object)",
                         fix)
-        if raw.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-            raise InputError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
-                             f"'AutoencoderKL'; {fix}")
-        required = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
-                    "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
+        required = {"_class_name": "AutoencoderKL", "act_fn": "silu", "use_quant_conv": True,
+                    "use_post_quant_conv": True, "mid_block_add_attention": True,
+                    "shift_factor": None, "latents_mean": None}
         for key, want in required.items():
             if raw.get(key, want) != want:
                 raise InputError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
@@ -1679,8 +1677,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
     when present, else the SD VAE's configuration)."""
     if source in ("ema", "mse"):
-        cache_dir = cache_dir or default_cache_dir()
-        folder = os.path.join(cache_dir, f"sd-vae-ft-{source}")
+        folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
             dest, url = os.path.join(folder, fname), SD_VAE_URL.format(source, fname)
             if not os.path.exists(dest):
@@ -2369,15 +2366,13 @@ def restore_state(arrays, abstract_state, shardings, what):
 
 def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
-    model configuration in the metadata: small enough to share, and named as the official model's
-    state dict names them."""
+    model configuration in the metadata: small enough to share."""
     if not ckpt_path.endswith(".npz"):
         raise InputError(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
                          f"reads the .safetensors and .pt files directly")
     model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
-    params = named_params(model)
     tensors = {torch_name(name): to_torch_layout(name, np.asarray(value))
-               for name, value in params.items()}
+               for name, value in named_params(model).items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
     header = {key: json.dumps(meta.get(key)) for key in ("model", "objective", "latent_scale")}
@@ -3062,11 +3057,10 @@ def to_uint8(images):
     return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
 
 
-def make_grid(images, nrow=None):
-    """Tile uint8 images (N, H, W, C) into one image, 2-pixel gaps, nrow per row (square by
-    default)."""
+def make_grid(images):
+    """Tile uint8 images (N, H, W, C) into one square image, with 2-pixel gaps."""
     n, h, w, c = images.shape
-    nrow = nrow or math.ceil(math.sqrt(n))
+    nrow = math.ceil(math.sqrt(n))
     rows = math.ceil(n / nrow)
     grid = np.zeros((rows * (h + 2) + 2, nrow * (w + 2) + 2, c), np.uint8)
     for i, img in enumerate(images):
