@@ -1462,10 +1462,8 @@ class VAEAttention(nnx.Module):
 
     def __init__(self, channels, groups, *, dtype, rngs):
         self.group_norm = _group_norm(channels, groups, dtype, rngs)
-        self.to_q = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
-        self.to_k = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
-        self.to_v = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
-        self.to_out = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_q, self.to_k, self.to_v, self.to_out = (
+            nnx.Linear(channels, channels, dtype=dtype, rngs=rngs) for _ in range(4))
 
     def __call__(self, x):  # (B, H, W, C)
         B, H, W, C = x.shape
@@ -4037,13 +4035,10 @@ def _storage_id(path, saved_id, file_size):
     return storage_type, key, numel
 
 
-def _storage_array(path, storage, raw, little_endian):
-    """Raw bytes -> 1-D numpy array of storage.numel elements (bfloat16 widened to float32)."""
+def _storage_array(storage, raw, little_endian):
+    """Raw bytes, as many as the storage's elements take (both callers check), -> 1-D numpy array
+    of storage.numel elements (bfloat16 widened to float32)."""
     dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
-    if len(raw) < storage.numel * dtype.itemsize:
-        raise InputError(f"{path}: truncated tensor data ({len(raw)} bytes where "
-                         f"{storage.numel * dtype.itemsize} were expected); download or save it "
-                         f"again")
     data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
     if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
         data = (data.astype(np.uint32) << 16).view(np.float32)
@@ -4147,7 +4142,7 @@ def _load_torch_zip(path, archive, file_size):
                 raise InputError(f"{path}: truncated or damaged file (storage {key!r} has "
                                  f"{info.file_size} bytes where {nbytes} were expected)")
             raw = read(info, f"storage {key!r}")
-            storage.data = _storage_array(path, storage, raw, little_endian)
+            storage.data = _storage_array(storage, raw, little_endian)
         return storages[key]
 
     raw = read(archive.getinfo(pickles[0]), pickles[0])
@@ -4199,7 +4194,7 @@ def _load_torch_legacy(path, f, file_size):
         if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
             raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
                              f"download or save it again")
-        storage.data = _storage_array(path, storage, f.read(nbytes), little_endian)
+        storage.data = _storage_array(storage, f.read(nbytes), little_endian)
     return obj
 
 
