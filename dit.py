@@ -180,8 +180,7 @@ ARCHS = {"dit": dict(qk_norm=False, rms_norm=False, swiglu=False, rope=False),
 
 
 def dit_config(name, **overrides):
-    """The official configuration `name` ('XL/2', 'S/4', ...), with fields replaced by
-    `overrides`."""
+    """The official configuration `name` ('XL/2', 'S/4', ...), its fields replaced by overrides."""
     size, _, patch = name.partition("/")
     if size not in DIT_SIZES or patch not in ("2", "4", "8"):
         raise ValueError(f"unknown DiT configuration {name!r}; expected a size of "
@@ -201,8 +200,7 @@ zeros = nnx.initializers.zeros_init()
 
 def timestep_embedding(t, dim, max_period=10000):
     """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
-    code (cosines first, then sines; frequencies falling geometrically from 1 towards
-    1/max_period)."""
+    code (cosines first, then sines; frequencies falling geometrically from 1 to 1/max_period)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
@@ -678,8 +676,7 @@ class GaussianDiffusion:
         return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
 
     def training_losses(self, model_fn, x0, key, mask=None):
-        """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
-        key."""
+        """losses_at with t uniform over the chain's steps and standard normal noise, from key."""
         key_t, key_noise = jax.random.split(key)
         t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
@@ -1254,8 +1251,7 @@ _TORCH_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight
 
 def torch_name(name):
     """The PyTorch state-dict key of our weight `name`: 'blocks.0.attn.qkv.kernel' ->
-    'blocks.0.attn.qkv.weight'. nnx.Sequential keeps its layers under 'layers', which PyTorch
-    omits."""
+    'blocks.0.attn.qkv.weight'. PyTorch omits the 'layers' under which nnx.Sequential keeps them."""
     parts = [part for part in name.split(".") if part != "layers"]
     parts[-1] = _TORCH_LEAF_NAMES.get(parts[-1], parts[-1])
     return ".".join(parts)
@@ -1263,8 +1259,7 @@ def torch_name(name):
 
 def to_torch_layout(name, value):
     """Our layout -> PyTorch's for the weight `name`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in
-    both."""
+    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are alike."""
     if not name.endswith("kernel"):
         return value
     return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
@@ -1312,8 +1307,7 @@ DIT_WEIGHTS_FIX = "it holds another model size or configuration"
 
 
 def infer_dit_config(state_dict):
-    """Recover a DiTConfig from the shapes in an official state dict (heads from the official
-    sizes)."""
+    """The DiTConfig of an official state dict's shapes (heads from the official sizes)."""
     D, C, p, _ = state_dict["x_embedder.proj.weight"].shape
     T = state_dict["pos_embed"].shape[1]
     depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
@@ -1372,8 +1366,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
-    """The fields of diffusers' AutoencoderKL config.json that shape the network; the defaults are
-    the SD VAE."""
+    """The fields of diffusers' AutoencoderKL config.json that shape the network (SD VAE's)."""
     in_channels: int = 3
     out_channels: int = 3
     block_out_channels: tuple = (128, 256, 512, 512)
@@ -1386,8 +1379,7 @@ class VAEConfig:
     @classmethod
     def from_json(cls, path):
         """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
-        ignored, but options this implementation does not build are refused rather than silently
-        ignored."""
+        ignored, options this implementation does not build refused rather than ignored."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda obj: isinstance(obj, dict), "a diffusers config (an object)",
                         fix)
@@ -1457,8 +1449,7 @@ class VAEResnetBlock(nnx.Module):
 
 class VAEAttention(nnx.Module):
     """The mid-block self-attention over all H*W positions: one head as wide as the channels,
-    GroupNorm in front, residual around it (diffusers Attention with AttnProcessor2_0,
-    heads = 1)."""
+    GroupNorm in front, residual around it (diffusers Attention, AttnProcessor2_0, heads = 1)."""
 
     def __init__(self, channels, groups, *, dtype, rngs):
         self.group_norm = _group_norm(channels, groups, dtype, rngs)
@@ -1477,9 +1468,8 @@ class VAEAttention(nnx.Module):
 
 
 class VAEDownsample(nnx.Module):
-    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1) instead of
-    symmetrically, a quirk inherited from the original LDM code; the weights were trained with
-    it."""
+    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1), not symmetrically, a
+    quirk inherited from the original LDM code; the weights were trained with it."""
 
     def __init__(self, channels, *, dtype, rngs):
         self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
@@ -1518,8 +1508,7 @@ class DownEncoderBlock(nnx.Module):
 
 
 class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last
-    block."""
+    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step but in the last one."""
 
     def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
@@ -1628,8 +1617,7 @@ class AutoencoderKL(nnx.Module):
         return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, z):
-        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1],
-        float32."""
+        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out) about [-1, 1], float32."""
         self._check(z, self.cfg.latent_channels, "decode")
         with matmul_precision(self.dtype):
             return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
@@ -1653,8 +1641,7 @@ _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": 
 
 
 def load_vae_weights(model, tensors, source="the weight file"):
-    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, by
-    load_torch_weights."""
+    """load_torch_weights of a diffusers state dict (numpy arrays, either attention naming)."""
     tensors = {re.sub(r"(attentions\.\d+\.)(query|key|value|proj_attn)\.",
                       lambda m: m.group(1) + _OLD_ATTENTION[m.group(2)] + ".", k): v
                for k, v in tensors.items()}
@@ -1770,8 +1757,7 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        """(H, W, C) of one model input: the image itself, or one sampled latent (half the stored
-        channels)."""
+        """(H, W, C) of one model input: the image, or a sampled latent (half the channels)."""
         if self.is_latent:
             _, _, h, w, c2 = self.x.shape
             return (h, w, c2 // 2)
@@ -1835,8 +1821,7 @@ def _find_idx(data_dir: str, stem: str) -> str | None:
 
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files; the 10,000 test digits stand in for the training set when only
-    they are there."""
+    """The official MNIST IDX files; the 10,000 test digits stand in when only they are there."""
     for split in ("train", "t10k"):
         images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
         labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
@@ -2219,8 +2204,7 @@ class Loader:
             yield item
 
     def close(self):
-        """Stop the background threads: batches not started are dropped, the ones under way finish
-        first."""
+        """Stop the background threads: batches not started are dropped, those under way finish."""
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -2238,8 +2222,7 @@ class Loader:
 #################################################################################
 
 def to_host(x):
-    """A global array as one numpy array on this host, gathered from the other hosts when it is
-    spread over them."""
+    """A global array as one numpy array on this host, gathered from the hosts it is spread over."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -3095,8 +3078,7 @@ def load_decoder(source, channels, dtype):
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time spent sampling
-    and decoding."""
+    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time of each stage."""
 
     def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, **options):
         # options: sample()'s (steps, method, cfg_scale, ..., return_trajectory)
@@ -3156,8 +3138,7 @@ def device_multiple(n):
 
 
 def spread_labels(n, num_classes):
-    """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional
-    model). (n,)"""
+    """Labels (n,) 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 without classes)."""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
 
@@ -3980,8 +3961,7 @@ class _Storage(_Record):
 
 
 class _Tensor(_Record):
-    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by
-    _materialize."""
+    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, for _materialize."""
     __slots__ = ("storage", "offset", "size", "stride")
 
     def __init__(self, storage, offset, size, stride):
@@ -4101,8 +4081,7 @@ def _materialize(path, obj, file_size):
 
 
 def _load_torch_zip(path, archive, file_size):
-    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per
-    storage."""
+    """torch.save's format since 1.6: <top>/data.pkl and a file <top>/data/<key> per storage."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl "
@@ -4277,8 +4256,7 @@ def read_npz(path, names=None):
 
 
 def _read_npy_member(path, archive, info, name):
-    """One .npy entry of an .npz, its header checked against the entry's size before the array is
-    made."""
+    """One .npy entry of an .npz, its header checked against the entry's size before it is read."""
     if info.compress_type == zipfile.ZIP_STORED:
         bound = info.compress_size
     elif info.compress_type == zipfile.ZIP_DEFLATED:
