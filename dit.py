@@ -127,8 +127,7 @@ class InputError(ValueError):
 
 
 def one_line(e):
-    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
-    missing file, a full disk)."""
+    """`error: <message>` of an InputError or an OSError (a missing file, a full disk)."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
     else:
@@ -151,8 +150,7 @@ class DiTConfig:
     num_classes: int = 1000          # 0 trains an unconditional model
     learn_sigma: bool = True         # DDPM with learned variance doubles the output channels
     # DiT+: changes that later work found to help at DiT's scale, each on its own switch, which
-    # DiTPlus reads (Part II); all off is the paper's DiT, and ARCHS names the set that the README's
-    # ablation kept.
+    # DiTPlus reads (Part II); all off is the paper's DiT (ARCHS, below, names the sets).
     qk_norm: bool = False            # RMSNorm on each head's queries and keys
     rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
     swiglu: bool = False             # a SwiGLU feed-forward layer with as many weights
@@ -786,10 +784,9 @@ class RectifiedFlow:
 
     def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
-        steps; key unused. "euler": one network call per step. "heun": Heun's second-order method
-        (Karras et al. 2022, alg. 1), two calls per step, including the last one, since the
-        velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H,
-        W, C) starting with noise) when asked."""
+        steps by integrate's "euler" or "heun"; key unused. Heun corrects the last step too, since
+        the velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1,
+        B, H, W, C) starting with noise) when asked."""
         check_sampler(self, steps, method)
         v = lambda x, t: self._velocity(model_fn, x, jnp.full((x.shape[0],), t))  # noqa: E731
         x, trajectory = integrate(v, noise, jnp.linspace(1.0, 0.0, steps + 1), method,
@@ -1428,8 +1425,8 @@ def _group_norm(channels, groups, dtype, rngs):
 
 
 class VAEResnetBlock(nnx.Module):
-    """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1
-    shortcut when the channel count changes."""
+    """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut
+    when the channel count changes."""
 
     def __init__(self, cin, cout, groups, *, dtype, rngs):
         self.norm1 = _group_norm(cin, groups, dtype, rngs)
@@ -2297,8 +2294,7 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
 
 
 def list_checkpoints(run_dir):
-    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among
-    them; a resumed run deletes those)."""
+    """Finished checkpoints, oldest first (not the temporary files of an interrupted save)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         return []
@@ -3167,8 +3163,7 @@ def generate(sampler, params, n, batch_size, shape, num_classes, seed):
 
 
 def fid_module():
-    """fid.py, which holds the Inception network of FID: the file beside this one, or its text run
-    in a cell of the same notebook."""
+    """fid.py, with FID's Inception network: the file beside this one, or its text run in a cell."""
     try:
         import fid
     except ModuleNotFoundError as e:
@@ -3271,8 +3266,7 @@ class Evaluator:
 
     def fid(self, params, step, n, log):
         """FID-N and the other scores of n samples, into the log; skipped, with a note why, when
-        there are no reference statistics. The reference is read once (the image features of
-        OpenAI's reference batches computed once)."""
+        there are no reference statistics. The reference (and its image features) is read once."""
         if not (self.ref and os.path.exists(self.ref)):
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -4053,8 +4047,7 @@ def _materialize(path, obj, file_size):
                 raise InputError(f"{path}: tensor of size {obj.size} has more elements than its "
                                  f"storage ({data.size}); repeated (expanded) tensors are not "
                                  f"supported, save them with .clone()")
-            # The last element a strided view touches must lie inside the storage, or as_strided
-            # would read arbitrary memory.
+            # The last element a view touches must lie in the storage, or as_strided reads anywhere.
             last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
             if last >= data.size:
                 raise InputError(f"{path}: tensor of size {obj.size} reaches element {last} of a "
@@ -4352,8 +4345,7 @@ def read_safetensors(path):
 
 
 def write_safetensors(f, tensors, metadata):
-    """Write float32 `tensors` and string `metadata` to the open file f in the .safetensors format
-    that read_safetensors reads."""
+    """Write float32 `tensors` and string `metadata` to the open file f in .safetensors format."""
     header, offset = {"__metadata__": metadata}, 0
     for name, t in tensors.items():
         nbytes = 4 * int(np.prod(np.shape(t)))
