@@ -1321,12 +1321,9 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or a checkpoint of the official train.py, whose EMA weights are taken). torch is not needed: the
-    file is read by load_torch, a restricted unpickler that refuses anything but tensors.
-
-    The configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go
-    to DiT.
-    """
+    or a checkpoint of the official train.py, whose EMA weights are taken), read by load_torch. The
+    configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go to
+    DiT."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
@@ -1488,9 +1485,8 @@ class VAEUpsample(nnx.Module):
 
 
 class DownEncoderBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv except in the last
-    block. The one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading
-    a name mapping."""
+    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv but in the last
+    block, in a list as diffusers' `downsamplers.0`, so that loading weights maps names alone."""
 
     def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
@@ -2125,8 +2121,7 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
 #################################################################################
 
 class Loader:
-    """Endless stream of this process's share of each global batch, computed ahead by background
-    threads.
+    """Endless stream of this process's share of each global batch, computed ahead by threads.
 
     Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch is shuffled by
     default_rng((seed, e)), and the random choices of step s (flips, latent noise) come from
@@ -4020,8 +4015,7 @@ def _storage_array(storage, raw, little_endian):
 
 
 def _materialize(path, obj, file_size):
-    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the
-    file).
+    """Replace every _Tensor in a nested structure by a numpy array (a copy, not a file view).
 
     A file holds each storage once, but any number of tensors can view one storage, so a few bytes
     of pickle per tensor could ask for far more memory than the file holds. Only views of one
@@ -4173,10 +4167,9 @@ def _load_torch_legacy(path, f, file_size):
 def load_torch(path):
     """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
 
-    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the
-    legacy format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any
-    other global in the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come
-    back as float32.
+    Both the zip format (torch >= 1.6, e.g. the official DiT checkpoints) and the legacy one (e.g.
+    pytorch-fid's Inception weights); only tensor rebuilding is allowed, any other global raising
+    UnsafePickleError before anything runs. bfloat16 tensors come back as float32.
     """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
@@ -4219,9 +4212,8 @@ def read_npz(path, names=None):
     `names` that it holds (the others are left out, so that the caller can say what is missing).
 
     np.load allocates whatever an array's header claims before reading it, and reads zip entries
-    that overlap; here every claim is checked first against the bytes that are really there, so
-    that no file makes it allocate more than the file holds (1032 times that for
-    np.savez_compressed). Object arrays, which need pickle, are refused.
+    that overlap; here each claim is checked first against the bytes really there (1032 times them
+    for np.savez_compressed), then numpy's read_array reads the array, refusing objects (pickle).
     """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
