@@ -2145,9 +2145,8 @@ class Loader:
             raise InputError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
                              f"{start_step} and {prefetch}")
         self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
-        self.local_batch = global_batch // process_count
-        self.local_slice = slice(process_index * self.local_batch,
-                                 (process_index + 1) * self.local_batch)
+        local = global_batch // process_count
+        self.local_slice = slice(process_index * local, (process_index + 1) * local)
         # the last partial batch of each epoch is dropped
         self.steps_per_epoch = len(self.subset) // global_batch
         self.prefetch = prefetch
@@ -3214,8 +3213,7 @@ class Evaluator:
         self.shape, self.num_classes = ds.input_shape, ds.num_classes
         self.grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape))
         self.grid_labels = jnp.asarray(spread_labels(n, ds.num_classes))
-        self.args, self.inception, self.reference = args, None, None
-        self.ref = args.fid_ref
+        self.args, self.ref, self.inception, self.reference = args, args.fid_ref, None, None
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
             # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
