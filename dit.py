@@ -779,8 +779,7 @@ class RectifiedFlow:
         """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
         key_t, key_noise = jax.random.split(key)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise,
-                              mask)
+        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise, mask)
 
     def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
@@ -3001,8 +3000,7 @@ def load_model(path, dtype=jnp.float32):
         meta, arrays = read_checkpoint(path)
         ema = {name[len("ema."):]: a for name, a in arrays.items() if name.startswith("ema.")}
         model, objective = model_of_metadata(path, meta, len(ema), dtype)
-        params = named_params(model)
-        wrong = [name for name, like in params.items() if name not in ema
+        wrong = [name for name, like in named_params(model).items() if name not in ema
                  or ema[name].shape != like.shape or ema[name].dtype.kind not in "fiu"]
         if wrong:
             raise InputError(f"{path}: its EMA weights do not fit the model its metadata records "
@@ -3200,12 +3198,11 @@ class Evaluator:
     Inception network loaded at the first evaluation and kept."""
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
-        sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
-                                    method=objective.default_method,
-                                    vae=(load_decoder(args.vae, ds.input_shape[-1],
-                                                      vae_dtype(args.precision))
-                                         if ds.is_latent else None),
-                                    latent_scale=ds.latent_scale)
+        vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
+               if ds.is_latent else None)
+        sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
+                                    latent_scale=ds.latent_scale, steps=args.sample_steps,
+                                    method=objective.default_method)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
             self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
