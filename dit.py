@@ -4237,15 +4237,13 @@ def read_npz(path, names=None):
 
 def _read_npy_member(path, archive, info, name):
     """One .npy entry of an .npz, its header checked against the entry's size before it is read."""
-    if info.compress_type == zipfile.ZIP_STORED:
-        bound = info.compress_size
-    elif info.compress_type == zipfile.ZIP_DEFLATED:
-        bound = _DEFLATE_MAX_RATIO * info.compress_size
-    else:
+    ratios = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: _DEFLATE_MAX_RATIO}
+    ratio = ratios.get(info.compress_type)
+    if ratio is None:
         raise InputError(f"{path}: {name} is compressed with zip method {info.compress_type}; "
                          f"numpy.savez and savez_compressed write stored or deflated entries, "
                          f"write it with them")
-    if info.file_size > bound:
+    if info.file_size > ratio * info.compress_size:
         raise InputError(f"{path}: {name} claims {info.file_size} bytes from {info.compress_size} "
                          f"stored; the file is damaged or crafted")
     with archive.open(info) as f:
