@@ -535,8 +535,7 @@ def _normal_kl(mean1, logvar1, mean2, logvar2):
 
 
 def _approx_standard_normal_cdf(x):
-    """The tanh approximation of the standard normal CDF that the official code uses (keeps the VLB
-    numbers identical to theirs rather than to the exact erf)."""
+    """The official code's tanh approximation of the standard normal CDF (its VLB, not erf's)."""
     return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
@@ -1649,10 +1648,9 @@ def vae_dtype(precision):
 
 def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     """Build the AutoencoderKL with released weights, computing in `dtype`. `source`: "ema" or "mse"
-    (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default $DIT_CACHE or
-    ~/.cache/dit-jax, when missing), a diffusers folder (config.json +
-    diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
-    when present, else the SD VAE's configuration)."""
+    (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default default_cache_dir(),
+    when missing), a diffusers folder (config.json + diffusion_pytorch_model.safetensors or .bin),
+    or a weight file (with the config.json beside it, or else the SD VAE's configuration)."""
     if source in ("ema", "mse"):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
@@ -1773,9 +1771,8 @@ class Dataset:
 
 
 def hold_out(n, k):
-    """(training indices, held-out indices) of a dataset of n samples with k held out for the
-    validation loss. The choice depends on n and k alone, not on a run's seed, so that every run
-    and architecture is validated on the same samples."""
+    """(training indices, held-out indices) of n samples, k held out for the validation loss: by n
+    and k alone, not a run's seed, so that every run and architecture is validated alike."""
     perm = np.random.default_rng(0).permutation(n)
     return np.sort(perm[k:]), np.sort(perm[:k])
 
@@ -2164,8 +2161,7 @@ class Loader:
         return perm[position * self.global_batch:(position + 1) * self.global_batch]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """This process's (x, y) of one step: x float32 (B, H, W, C), pixels in [-1, 1] or scaled
-        latents; y int32 (B,), zeros for unconditional data."""
+        """This process's (x, y) of one step, as Dataset.inputs makes them."""
         ds, G, local = self.ds, self.global_batch, self.local_slice
         rng = np.random.default_rng((self.seed, step, 1))
         no_flips, eps = np.zeros(G, bool), None
@@ -4000,8 +3996,7 @@ def _storage_id(path, saved_id, file_size):
 
 
 def _storage_array(storage, raw, little_endian):
-    """Raw bytes, as many as the storage's elements take (both callers check), -> 1-D numpy array
-    of storage.numel elements (bfloat16 widened to float32)."""
+    """Raw bytes (as many as its callers checked) -> the storage's 1-D array (bfloat16 widened)."""
     dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
     data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
     if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
@@ -4455,8 +4450,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 #################################################################################
 
 def read_json(path, valid, expected, fix):
-    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
-    and saying `fix`, rather than later as a KeyError."""
+    """The JSON in `path`, which `valid(obj)` must accept; a damaged file fails here, with `fix`."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
