@@ -500,8 +500,7 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
             raise ValueError(f"timestep respacing {section_counts!r}: section {i} has {size} "
                              f"steps, cannot take {count} of them (need 1 <= count <= {size})")
         stride = (size - 1) / (count - 1) if count > 1 else 1
-        # accumulate the float stride and round (to even, Python's round) exactly as the official
-        # code does, so that the same string selects the same steps
+        # accumulated and rounded (to even) as the official code does: same string, same steps
         cur = 0.0
         for _ in range(count):
             steps.append(start + round(cur))
@@ -1923,8 +1922,7 @@ def center_crop_arr(pil_image, image_size):
     (S, S, 3)."""
     if not (isinstance(image_size, (int, np.integer)) and image_size > 0):
         raise ValueError(f"image_size must be a positive int, got {image_size!r}")
-    # DiT's ImageFolder loader converts to RGB before cropping; doing it first also keeps PIL from
-    # silently using NEAREST on palette ("P") images.
+    # RGB first, as DiT's loader converts; PIL would otherwise resize palette images NEAREST
     if pil_image.mode != "RGB":
         pil_image = pil_image.convert("RGB")
     while min(*pil_image.size) >= 2 * image_size:
