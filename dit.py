@@ -534,7 +534,7 @@ def _normal_kl(mean1, logvar1, mean2, logvar2):
 
 
 def _approx_standard_normal_cdf(x):
-    """The official code's tanh approximation of the standard normal CDF (its VLB, not erf's)."""
+    """The official code's tanh approximation of the standard normal CDF, so the VLB matches."""
     return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
@@ -1357,7 +1357,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
-    """The fields of diffusers' AutoencoderKL config.json that shape the network (SD VAE's)."""
+    """The fields of diffusers' AutoencoderKL config that shape the network; defaults: SD VAE."""
     in_channels: int = 3
     out_channels: int = 3
     block_out_channels: tuple = (128, 256, 512, 512)
