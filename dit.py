@@ -3823,11 +3823,9 @@ class UnsafePickleError(InputError, pickle.UnpicklingError):
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler whose only way to reach Python objects is an explicit table.
-
-    A pickle can call any importable function (`os.system` included) by naming it; every such name
-    goes through `find_class`, so refusing unknown names here means nothing from the file can run.
-    """
+    """An unpickler whose only way to reach Python objects is an explicit table: a pickle can call
+    any importable function (`os.system` included) by naming it, and every such name goes through
+    `find_class`, so refusing unknown names here means nothing from the file can run."""
 
     def __init__(self, fileobj, allowed, persistent_load, encoding):
         super().__init__(fileobj, encoding=encoding)
@@ -3888,13 +3886,10 @@ def _read_pickle(fileobj):
 
 def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
-    `allowed[(module, name)]`.
-
-    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses
-    them for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes"
-    or "latin1". The pickle is read and checked first (_read_pickle), so that it cannot make the
-    unpickler allocate more memory than it holds; a damaged one raises pickle.UnpicklingError.
-    """
+    `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
+    persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
+    or "latin1". The pickle is checked first (_read_pickle); a damaged one raises
+    pickle.UnpicklingError."""
     raw = _read_pickle(fileobj)
     return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
 
