@@ -1886,8 +1886,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
     where, found = _cifar_pickles(data_dir)
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
-        batch = found[name]
-        data, labels = batch.get("data"), batch.get("labels")
+        data, labels = found[name].get("data"), found[name].get("labels")
         if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
                 or data.shape[1] != 3072):
             raise InputError(f"{where}: {name} has no uint8 (n, 3072) 'data' array; is this "
