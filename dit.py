@@ -115,9 +115,6 @@ DIT_SIZES = {
 }
 
 
-# A mistake of the user's (a bad argument, file or folder) is an InputError, which the command lines
-# print as one line; any other exception is a bug and keeps its traceback.
-
 class InputError(ValueError):
     """What the user gave (a file, folder, path, option or the data in them) cannot be used.
 
@@ -132,8 +129,7 @@ class InputError(ValueError):
 
 
 def one_line(e):
-    """`error: <message>` of a failure on the user's input, an InputError or an OSError (a
-    missing file, a full disk)."""
+    """`error: <message>` of an InputError or an OSError (a missing file, a full disk)."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
     else:
@@ -156,8 +152,7 @@ class DiTConfig:
     num_classes: int = 1000          # 0 trains an unconditional model
     learn_sigma: bool = True         # DDPM with learned variance doubles the output channels
     # DiT+: changes that later work found to help at DiT's scale, each on its own switch, which
-    # DiTPlus reads (Part II); all off is the paper's DiT, and ARCHS names the set that the README's
-    # ablation kept.
+    # DiTPlus reads (Part II); all off is the paper's DiT (ARCHS, below, names the sets).
     qk_norm: bool = False            # RMSNorm on each head's queries and keys
     rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
     swiglu: bool = False             # a SwiGLU feed-forward layer with as many weights
@@ -185,8 +180,7 @@ ARCHS = {"dit": dict(qk_norm=False, rms_norm=False, swiglu=False, rope=False),
 
 
 def dit_config(name, **overrides):
-    """The official configuration `name` ('XL/2', 'S/4', ...), with fields replaced by
-    `overrides`."""
+    """The official configuration `name` ('XL/2', 'S/4', ...), its fields replaced by overrides."""
     size, _, patch = name.partition("/")
     if size not in DIT_SIZES or patch not in ("2", "4", "8"):
         raise ValueError(f"unknown DiT configuration {name!r}; expected a size of "
@@ -206,8 +200,7 @@ zeros = nnx.initializers.zeros_init()
 
 def timestep_embedding(t, dim, max_period=10000):
     """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
-    code (cosines first, then sines; frequencies falling geometrically from 1 towards
-    1/max_period)."""
+    code (cosines first, then sines; frequencies falling geometrically from 1 to 1/max_period)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
@@ -472,8 +465,8 @@ def count_params(model):
 # doubled), their samplers METHODS with a default method and step count, training_losses and
 # losses_at (per-sample losses (B,) and each sample's noise level, a fraction in [0, 1] mapped from
 # the objective's own time; `time_at` maps it back), and sample(model_fn, noise, key, steps,
-# method). `mask`, weights broadcastable to the per-element loss
-# (B, H, W, C), restricts each loss to the masked elements; None is all of them.
+# method). `mask`, weights broadcastable to the per-element loss (B, H, W, C), restricts each loss
+# to the masked elements; None is all of them.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
@@ -509,8 +502,7 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
             raise ValueError(f"timestep respacing {section_counts!r}: section {i} has {size} "
                              f"steps, cannot take {count} of them (need 1 <= count <= {size})")
         stride = (size - 1) / (count - 1) if count > 1 else 1
-        # accumulate the float stride and round (to even, Python's round) exactly as the official
-        # code does, so that the same string selects the same steps
+        # accumulated and rounded (to even) as the official code does: same string, same steps
         cur = 0.0
         for _ in range(count):
             steps.append(start + round(cur))
@@ -544,8 +536,7 @@ def _normal_kl(mean1, logvar1, mean2, logvar2):
 
 
 def _approx_standard_normal_cdf(x):
-    """The tanh approximation of the standard normal CDF that the official code uses (keeps the VLB
-    numbers identical to theirs rather than to the exact erf)."""
+    """The official code's tanh approximation of the standard normal CDF, so the VLB matches."""
     return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
@@ -593,8 +584,7 @@ class GaussianDiffusion:
     def __init__(self, timestep_respacing: str = "", num_timesteps: int = 1000):
         if not (isinstance(num_timesteps, int) and num_timesteps > 1):
             raise ValueError(f"num_timesteps must be an int > 1, got {num_timesteps!r}")
-        # Linear schedule of Ho et al.; scaled so that any T has roughly the same total noise as
-        # T = 1000
+        # Ho et al.'s linear schedule, scaled so that any T has about the total noise of T = 1000
         scale = 1000 / num_timesteps
         base_betas = np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
         base_alphas_cumprod = np.cumprod(1.0 - base_betas)
@@ -618,8 +608,7 @@ class GaussianDiffusion:
         self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
         self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
-        # q(x_{t-1} | x_t, x_0) = N(coef1 * x_0 + coef2 * x_t, posterior_variance)
-        # (Ho et al. eq. 6-7)
+        # q(x_{t-1} | x_t, x_0) = N(coef1 x_0 + coef2 x_t, posterior_variance), Ho et al. eq. 6-7
         posterior_variance = (self.betas * (1.0 - self.alphas_cumprod_prev)
                               / (1.0 - self.alphas_cumprod))
         # the variance is 0 at t = 0; its log is clipped to the next value so that it stays finite
@@ -679,15 +668,13 @@ class GaussianDiffusion:
             true_mean, true_log_variance, p["mean"], p["log_variance"]), mask) / np.log(2.0)
         decoder_nll = -_mean_flat(_discretized_gaussian_log_likelihood(
             x0, p["mean"], 0.5 * p["log_variance"]), mask) / np.log(2.0)
-        # the first step (t = 0) has no posterior to match: its term is the likelihood of the data
-        # itself
+        # at t = 0 there is no posterior to match: the term is the likelihood of the data itself
         vb = jnp.where(t == 0, decoder_nll, kl)
         mse = _mean_flat((noise - eps) ** 2, mask)
         return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
 
     def training_losses(self, model_fn, x0, key, mask=None):
-        """losses_at with t uniform over the chain's steps and standard normal noise, drawn from
-        key."""
+        """losses_at with t uniform over the chain's steps and standard normal noise, from key."""
         key_t, key_noise = jax.random.split(key)
         t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
@@ -708,9 +695,7 @@ class GaussianDiffusion:
         deterministic, key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as
         DiT samples latents. Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting
         with noise) when asked."""
-        if method not in self.METHODS:
-            raise ValueError(f"unknown DDPM sampling method {method!r}; use "
-                             f"{' or '.join(map(repr, self.METHODS))}")
+        check_sampler(self, self.num_timesteps, method)
         if method == "ddpm" and key is None:
             raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a "
                              "PRNG key")
@@ -727,8 +712,7 @@ class GaussianDiffusion:
                 keep_noise = (t != 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
                 x = p["mean"] + keep_noise * jnp.exp(0.5 * p["log_variance"]) * z
             else:
-                # re-derive eps from pred_xstart as the official code does (same value, same
-                # rounding)
+                # eps re-derived from pred_xstart as the official code does (the same rounding)
                 eps = ((_extract(self.sqrt_recip_alphas_cumprod, t, x.ndim) * x - p["pred_xstart"])
                        / _extract(self.sqrt_recipm1_alphas_cumprod, t, x.ndim))
                 alpha_bar_prev = _extract(self.alphas_cumprod_prev, t, x.ndim)
@@ -795,15 +779,13 @@ class RectifiedFlow:
         """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
         key_t, key_noise = jax.random.split(key)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise,
-                              mask)
+        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise, mask)
 
     def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
-        steps; key unused. "euler": one network call per step. "heun": Heun's second-order method
-        (Karras et al. 2022, alg. 1), two calls per step, including the last one, since the
-        velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1, B, H,
-        W, C) starting with noise) when asked."""
+        steps by integrate's "euler" or "heun"; key unused. Heun corrects the last step too, since
+        the velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1,
+        B, H, W, C) starting with noise) when asked."""
         check_sampler(self, steps, method)
         v = lambda x, t: self._velocity(model_fn, x, jnp.full((x.shape[0],), t))  # noqa: E731
         x, trajectory = integrate(v, noise, jnp.linspace(1.0, 0.0, steps + 1), method,
@@ -1356,8 +1338,7 @@ _TORCH_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight
 
 def torch_name(name):
     """The PyTorch state-dict key of our weight `name`: 'blocks.0.attn.qkv.kernel' ->
-    'blocks.0.attn.qkv.weight'. nnx.Sequential keeps its layers under 'layers', which PyTorch
-    omits."""
+    'blocks.0.attn.qkv.weight'. PyTorch omits the 'layers' under which nnx.Sequential keeps them."""
     parts = [part for part in name.split(".") if part != "layers"]
     parts[-1] = _TORCH_LEAF_NAMES.get(parts[-1], parts[-1])
     return ".".join(parts)
@@ -1365,8 +1346,7 @@ def torch_name(name):
 
 def to_torch_layout(name, value):
     """Our layout -> PyTorch's for the weight `name`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are the same in
-    both."""
+    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are alike."""
     if not name.endswith("kernel"):
         return value
     return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
@@ -1409,14 +1389,12 @@ def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
     return set_params(model, values)
 
 
-# What a DiT weight file that fails load_torch_weights' checks holds. (pos_embed, the fixed table,
-# is recomputed, not loaded.)
+# What a DiT weight file that fails load_torch_weights' checks holds.
 DIT_WEIGHTS_FIX = "it holds another model size or configuration"
 
 
 def infer_dit_config(state_dict):
-    """Recover a DiTConfig from the shapes in an official state dict (heads from the official
-    sizes)."""
+    """The DiTConfig of an official state dict's shapes (heads from the official sizes)."""
     D, C, p, _ = state_dict["x_embedder.proj.weight"].shape
     T = state_dict["pos_embed"].shape[1]
     depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
@@ -1433,12 +1411,9 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or a checkpoint of the official train.py, whose EMA weights are taken). torch is not needed: the
-    file is read by load_torch, a restricted unpickler that refuses anything but tensors.
-
-    The configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go
-    to DiT.
-    """
+    or a checkpoint of the official train.py, whose EMA weights are taken), read by load_torch. The
+    configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go to
+    DiT."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
@@ -1468,16 +1443,14 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 #################################################################################
 # DiT never sees pixels at 256x256: it models the 32x32x4 latents of the Stable Diffusion VAE
 # (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse). Below is that
-# autoencoder written layer for layer as diffusers 0.42 builds it
-# (diffusers/models/autoencoders/vae.py, unets/unet_2d_blocks.py, resnet.py,
-# attention_processor.py), in NHWC, with a loader for the released weights that needs neither torch
-# nor the safetensors package.
+# autoencoder written layer for layer as diffusers 0.42 builds it (diffusers/models/autoencoders/
+# vae.py, unets/unet_2d_blocks.py, resnet.py, attention_processor.py), in NHWC, with a loader for
+# the released weights that needs neither torch nor the safetensors package.
 
 
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
-    """The fields of diffusers' AutoencoderKL config.json that shape the network; the defaults are
-    the SD VAE."""
+    """The fields of diffusers' AutoencoderKL config that shape the network; defaults: SD VAE."""
     in_channels: int = 3
     out_channels: int = 3
     block_out_channels: tuple = (128, 256, 512, 512)
@@ -1490,16 +1463,13 @@ class VAEConfig:
     @classmethod
     def from_json(cls, path):
         """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
-        ignored, but options this implementation does not build are refused rather than silently
-        ignored."""
+        ignored, options this implementation does not build refused rather than ignored."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda obj: isinstance(obj, dict), "a diffusers config (an object)",
                         fix)
-        if raw.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-            raise InputError(f"{path}: _class_name is {raw['_class_name']!r}, expected "
-                             f"'AutoencoderKL'; {fix}")
-        required = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
-                    "mid_block_add_attention": True, "shift_factor": None, "latents_mean": None}
+        required = {"_class_name": "AutoencoderKL", "act_fn": "silu", "use_quant_conv": True,
+                    "use_post_quant_conv": True, "mid_block_add_attention": True,
+                    "shift_factor": None, "latents_mean": None}
         for key, want in required.items():
             if raw.get(key, want) != want:
                 raise InputError(f"{path}: {key}={raw[key]!r} is not supported (only {want!r}, as "
@@ -1542,8 +1512,8 @@ def _group_norm(channels, groups, dtype, rngs):
 
 
 class VAEResnetBlock(nnx.Module):
-    """diffusers ResnetBlock2D without a time embedding: GroupNorm-SiLU-conv twice, plus a 1x1
-    shortcut when the channel count changes."""
+    """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut
+    when the channel count changes."""
 
     def __init__(self, cin, cout, groups, *, dtype, rngs):
         self.norm1 = _group_norm(cin, groups, dtype, rngs)
@@ -1563,15 +1533,12 @@ class VAEResnetBlock(nnx.Module):
 
 class VAEAttention(nnx.Module):
     """The mid-block self-attention over all H*W positions: one head as wide as the channels,
-    GroupNorm in front, residual around it (diffusers Attention with AttnProcessor2_0,
-    heads = 1)."""
+    GroupNorm in front, residual around it (diffusers Attention, AttnProcessor2_0, heads = 1)."""
 
     def __init__(self, channels, groups, *, dtype, rngs):
         self.group_norm = _group_norm(channels, groups, dtype, rngs)
-        self.to_q = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
-        self.to_k = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
-        self.to_v = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
-        self.to_out = nnx.Linear(channels, channels, dtype=dtype, rngs=rngs)
+        self.to_q, self.to_k, self.to_v, self.to_out = (
+            nnx.Linear(channels, channels, dtype=dtype, rngs=rngs) for _ in range(4))
 
     def __call__(self, x):  # (B, H, W, C)
         B, H, W, C = x.shape
@@ -1585,9 +1552,8 @@ class VAEAttention(nnx.Module):
 
 
 class VAEDownsample(nnx.Module):
-    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1) instead of
-    symmetrically, a quirk inherited from the original LDM code; the weights were trained with
-    it."""
+    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1), not symmetrically, a
+    quirk inherited from the original LDM code; the weights were trained with it."""
 
     def __init__(self, channels, *, dtype, rngs):
         self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
@@ -1609,9 +1575,8 @@ class VAEUpsample(nnx.Module):
 
 
 class DownEncoderBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv except in the last
-    block. The one-element list mirrors diffusers' name `downsamplers.0`, which keeps weight loading
-    a name mapping."""
+    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv but in the last
+    block, in a list as diffusers' `downsamplers.0`, so that loading weights maps names alone."""
 
     def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
@@ -1626,8 +1591,7 @@ class DownEncoderBlock(nnx.Module):
 
 
 class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step except in the last
-    block."""
+    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step but in the last one."""
 
     def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
@@ -1736,8 +1700,7 @@ class AutoencoderKL(nnx.Module):
         return mean, jnp.clip(logvar, -30.0, 20.0)
 
     def decode(self, z):
-        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out), roughly in [-1, 1],
-        float32."""
+        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out) about [-1, 1], float32."""
         self._check(z, self.cfg.latent_channels, "decode")
         with matmul_precision(self.dtype):
             return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
@@ -1761,8 +1724,7 @@ _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": 
 
 
 def load_vae_weights(model, tensors, source="the weight file"):
-    """Copy a diffusers state dict (numpy arrays, either attention naming) into `model`, by
-    load_torch_weights."""
+    """load_torch_weights of a diffusers state dict (numpy arrays, either attention naming)."""
     tensors = {re.sub(r"(attentions\.\d+\.)(query|key|value|proj_attn)\.",
                       lambda m: m.group(1) + _OLD_ATTENTION[m.group(2)] + ".", k): v
                for k, v in tensors.items()}
@@ -1778,13 +1740,11 @@ def vae_dtype(precision):
 
 def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     """Build the AutoencoderKL with released weights, computing in `dtype`. `source`: "ema" or "mse"
-    (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default $DIT_CACHE or
-    ~/.cache/dit-jax, when missing), a diffusers folder (config.json +
-    diffusion_pytorch_model.safetensors or .bin), or a weight file (a config.json beside it is used
-    when present, else the SD VAE's configuration)."""
+    (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default default_cache_dir(),
+    when missing), a diffusers folder (config.json + diffusion_pytorch_model.safetensors or .bin),
+    or a weight file (with the config.json beside it, or else the SD VAE's configuration)."""
     if source in ("ema", "mse"):
-        cache_dir = cache_dir or default_cache_dir()
-        folder = os.path.join(cache_dir, f"sd-vae-ft-{source}")
+        folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
             dest, url = os.path.join(folder, fname), SD_VAE_URL.format(source, fname)
             if not os.path.exists(dest):
@@ -1879,8 +1839,7 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        """(H, W, C) of one model input: the image itself, or one sampled latent (half the stored
-        channels)."""
+        """(H, W, C) of one model input: the image, or a sampled latent (half the channels)."""
         if self.is_latent:
             _, _, h, w, c2 = self.x.shape
             return (h, w, c2 // 2)
@@ -1904,9 +1863,8 @@ class Dataset:
 
 
 def hold_out(n, k):
-    """(training indices, held-out indices) of a dataset of n samples with k held out for the
-    validation loss. The choice depends on n and k alone, not on a run's seed, so that every run
-    and architecture is validated on the same samples."""
+    """(training indices, held-out indices) of n samples, k held out for the validation loss: by n
+    and k alone, not a run's seed, so that every run and architecture is validated alike."""
     perm = np.random.default_rng(0).permutation(n)
     return np.sort(perm[k:]), np.sort(perm[:k])
 
@@ -1944,21 +1902,17 @@ def _find_idx(data_dir: str, stem: str) -> str | None:
 
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files; the 10,000 test digits stand in for the training set when only
-    they are there."""
-    images = _find_idx(data_dir, "train-images-idx3-ubyte")
-    labels = _find_idx(data_dir, "train-labels-idx1-ubyte")
-    if not (images and labels):
-        test_images = _find_idx(data_dir, "t10k-images-idx3-ubyte")
-        test_labels = _find_idx(data_dir, "t10k-labels-idx1-ubyte")
-        if test_images and test_labels:
-            images, labels = test_images, test_labels
-        else:
-            for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-                download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name],
-                             "md5")
-            images = os.path.join(data_dir, "train-images-idx3-ubyte.gz")
-            labels = os.path.join(data_dir, "train-labels-idx1-ubyte.gz")
+    """The official MNIST IDX files; the 10,000 test digits stand in when only they are there."""
+    for split in ("train", "t10k"):
+        images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
+        labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
+        if images and labels:
+            break
+    else:
+        for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+            download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name], "md5")
+        images, labels = (os.path.join(data_dir, f"train-{kind}-ubyte.gz")
+                          for kind in ("images-idx3", "labels-idx1"))
     x, y = read_idx(images), read_idx(labels)
     if "t10k" in os.path.basename(images):
         print(f"note: {data_dir} holds only the MNIST test set; training on its {len(x):,} digits")
@@ -2025,8 +1979,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
     where, found = _cifar_pickles(data_dir)
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
-        batch = found[name]
-        data, labels = batch.get("data"), batch.get("labels")
+        data, labels = found[name].get("data"), found[name].get("labels")
         if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
                 or data.shape[1] != 3072):
             raise InputError(f"{where}: {name} has no uint8 (n, 3072) 'data' array; is this "
@@ -2061,8 +2014,7 @@ def center_crop_arr(pil_image, image_size):
     (S, S, 3)."""
     if not (isinstance(image_size, (int, np.integer)) and image_size > 0):
         raise ValueError(f"image_size must be a positive int, got {image_size!r}")
-    # DiT's ImageFolder loader converts to RGB before cropping; doing it first also keeps PIL from
-    # silently using NEAREST on palette ("P") images.
+    # RGB first, as DiT's loader converts; PIL would otherwise resize palette images NEAREST
     if pil_image.mode != "RGB":
         pil_image = pil_image.convert("RGB")
     while min(*pil_image.size) >= 2 * image_size:
@@ -2089,8 +2041,7 @@ def load_image(path, size=None):
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not halfway through the crop
             return (center_crop_arr(img, size) if size else np.asarray(img.convert("RGB"))), None
-    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files; each is
-        # recorded as the reason
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -2256,8 +2207,7 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
 #################################################################################
 
 class Loader:
-    """Endless stream of this process's share of each global batch, computed ahead by background
-    threads.
+    """Endless stream of this process's share of each global batch, computed ahead by threads.
 
     Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch is shuffled by
     default_rng((seed, e)), and the random choices of step s (flips, latent noise) come from
@@ -2281,9 +2231,8 @@ class Loader:
             raise InputError(f"need seed >= 0, start_step >= 0 and prefetch >= 1, got {seed}, "
                              f"{start_step} and {prefetch}")
         self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
-        self.local_batch = global_batch // process_count
-        self.local_slice = slice(process_index * self.local_batch,
-                                 (process_index + 1) * self.local_batch)
+        local = global_batch // process_count
+        self.local_slice = slice(process_index * local, (process_index + 1) * local)
         # the last partial batch of each epoch is dropped
         self.steps_per_epoch = len(self.subset) // global_batch
         self.prefetch = prefetch
@@ -2302,8 +2251,7 @@ class Loader:
         return perm[position * self.global_batch:(position + 1) * self.global_batch]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """This process's (x, y) of one step: x float32 (B, H, W, C), pixels in [-1, 1] or scaled
-        latents; y int32 (B,), zeros for unconditional data."""
+        """This process's (x, y) of one step, as Dataset.inputs makes them."""
         ds, G, local = self.ds, self.global_batch, self.local_slice
         rng = np.random.default_rng((self.seed, step, 1))
         no_flips, eps = np.zeros(G, bool), None
@@ -2319,8 +2267,7 @@ class Loader:
             raise RuntimeError("a Loader can be iterated only once; make a new one (with "
                                "start_step) to restart")
         # `prefetch` threads each compute one of the next batches; numpy's random fills, casts and
-        # arithmetic release the GIL, so they run in parallel with each other and with the training
-        # step
+        # arithmetic release the GIL, so they run in parallel with each other and the training step
         self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="dit-data")
         steps = itertools.count(self.start_step)
         pending = deque(self._pool.submit(self.batch, next(steps)) for _ in range(self.prefetch))
@@ -2333,8 +2280,7 @@ class Loader:
             yield item
 
     def close(self):
-        """Stop the background threads: batches not started are dropped, the ones under way finish
-        first."""
+        """Stop the background threads: batches not started are dropped, those under way finish."""
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -2352,8 +2298,7 @@ class Loader:
 #################################################################################
 
 def to_host(x):
-    """A global array as one numpy array on this host, gathered from the other hosts when it is
-    spread over them."""
+    """A global array as one numpy array on this host, gathered from the hosts it is spread over."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -2428,8 +2373,7 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
 
 
 def list_checkpoints(run_dir):
-    """Finished checkpoints, oldest first (temporary files of an interrupted save are not among
-    them; a resumed run deletes those)."""
+    """Finished checkpoints, oldest first (not the temporary files of an interrupted save)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         return []
@@ -2478,15 +2422,13 @@ def restore_state(arrays, abstract_state, shardings, what):
 
 def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
-    model configuration in the metadata: small enough to share, and named as the official model's
-    state dict names them."""
+    model configuration in the metadata: small enough to share."""
     if not ckpt_path.endswith(".npz"):
         raise InputError(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
                          f"reads the .safetensors and .pt files directly")
     model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
-    params = named_params(model)
     tensors = {torch_name(name): to_torch_layout(name, np.asarray(value))
-               for name, value in params.items()}
+               for name, value in named_params(model).items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
     header = {key: json.dumps(meta.get(key)) for key in ("model", "objective", "latent_scale")}
@@ -3172,8 +3114,7 @@ def load_model(path, dtype=jnp.float32):
         meta, arrays = read_checkpoint(path)
         ema = {name[len("ema."):]: a for name, a in arrays.items() if name.startswith("ema.")}
         model, objective = model_of_metadata(path, meta, len(ema), dtype)
-        params = named_params(model)
-        wrong = [name for name, like in params.items() if name not in ema
+        wrong = [name for name, like in named_params(model).items() if name not in ema
                  or ema[name].shape != like.shape or ema[name].dtype.kind not in "fiu"]
         if wrong:
             raise InputError(f"{path}: its EMA weights do not fit the model its metadata records "
@@ -3199,11 +3140,10 @@ def to_uint8(images):
     return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
 
 
-def make_grid(images, nrow=None):
-    """Tile uint8 images (N, H, W, C) into one image, 2-pixel gaps, nrow per row (square by
-    default)."""
+def make_grid(images):
+    """Tile uint8 images (N, H, W, C) into one square image, with 2-pixel gaps."""
     n, h, w, c = images.shape
-    nrow = nrow or math.ceil(math.sqrt(n))
+    nrow = math.ceil(math.sqrt(n))
     rows = math.ceil(n / nrow)
     grid = np.zeros((rows * (h + 2) + 2, nrow * (w + 2) + 2, c), np.uint8)
     for i, img in enumerate(images):
@@ -3240,28 +3180,23 @@ def load_decoder(source, channels, dtype):
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time spent sampling
-    and decoding."""
+    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time of each stage."""
 
-    def __init__(self, graphdef, objective, mesh, *, steps, method, cfg_scale,
-                 guidance_channels=None, interval=None, vae=None, latent_scale=None,
-                 return_trajectory=False):
-        self.trajectory = return_trajectory
+    def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, **options):
+        # options: sample()'s (steps, method, cfg_scale, ..., return_trajectory)
+        self.trajectory = options.get("return_trajectory", False)
         batch = NamedSharding(mesh, P("data"))
 
         def run(params, noise, y, key):
-            return sample(nnx.merge(graphdef, params), objective, noise, y, key, steps=steps,
-                          method=method, cfg_scale=cfg_scale, guidance_channels=guidance_channels,
-                          interval=interval, return_trajectory=return_trajectory)
+            return sample(nnx.merge(graphdef, params), objective, noise, y, key, **options)
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
         # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too,
         # so that only bytes travel to the host. Its weights are copied to every device once, here.
+        self.vae = None
         if vae is not None:
             vae_graphdef, vae_params = nnx.split(vae)
             self.vae = (vae_graphdef, jax.device_put(vae_params, NamedSharding(mesh, P())))
-        else:
-            self.vae = None
 
         def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
             vae = nnx.merge(self.vae[0], vae_params)
@@ -3305,8 +3240,7 @@ def device_multiple(n):
 
 
 def spread_labels(n, num_classes):
-    """Labels 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 for an unconditional
-    model). (n,)"""
+    """Labels (n,) 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 without classes)."""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
 
@@ -3335,8 +3269,7 @@ def generate(sampler, params, n, batch_size, shape, num_classes, seed):
 
 
 def fid_module():
-    """fid.py, which holds the Inception network of FID: the file beside this one, or its text run
-    in a cell of the same notebook."""
+    """fid.py, with FID's Inception network: the file beside this one, or its text run in a cell."""
     try:
         import fid
     except ModuleNotFoundError as e:
@@ -3356,8 +3289,7 @@ def evaluate_samples(images, ref, inception):
     return fid_module().evaluate(share, ref=ref, inception=inception)
 
 
-# The noise levels (in [0, 1]) at which the validation loss is measured: the centres of the
-# LOSS_BINS ranges.
+# The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
@@ -3380,12 +3312,11 @@ class Evaluator:
     Inception network loaded at the first evaluation and kept."""
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
-        sampler = functools.partial(Sampler, graphdef, objective, mesh, steps=args.sample_steps,
-                                    method=objective.default_method,
-                                    vae=(load_decoder(args.vae, ds.input_shape[-1],
-                                                      vae_dtype(args.precision))
-                                         if ds.is_latent else None),
-                                    latent_scale=ds.latent_scale)
+        vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
+               if ds.is_latent else None)
+        sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
+                                    latent_scale=ds.latent_scale, steps=args.sample_steps,
+                                    method=objective.default_method)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
             self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
@@ -3393,8 +3324,7 @@ class Evaluator:
         self.shape, self.num_classes = ds.input_shape, ds.num_classes
         self.grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape))
         self.grid_labels = jnp.asarray(spread_labels(n, ds.num_classes))
-        self.args, self.inception, self.reference = args, None, None
-        self.ref = args.fid_ref
+        self.args, self.ref, self.inception, self.reference = args, args.fid_ref, None, None
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
             # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
@@ -3440,8 +3370,7 @@ class Evaluator:
 
     def fid(self, params, step, n, log):
         """FID-N and the other scores of n samples, into the log; skipped, with a note why, when
-        there are no reference statistics. The reference is read once (the image features of
-        OpenAI's reference batches computed once)."""
+        there are no reference statistics. The reference (and its image features) is read once."""
         if not (self.ref and os.path.exists(self.ref)):
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -4039,11 +3968,9 @@ class UnsafePickleError(InputError, pickle.UnpicklingError):
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler whose only way to reach Python objects is an explicit table.
-
-    A pickle can call any importable function (`os.system` included) by naming it; every such name
-    goes through `find_class`, so refusing unknown names here means nothing from the file can run.
-    """
+    """An unpickler whose only way to reach Python objects is an explicit table: a pickle can call
+    any importable function (`os.system` included) by naming it, and every such name goes through
+    `find_class`, so refusing unknown names here means nothing from the file can run."""
 
     def __init__(self, fileobj, allowed, persistent_load, encoding):
         super().__init__(fileobj, encoding=encoding)
@@ -4104,13 +4031,10 @@ def _read_pickle(fileobj):
 
 def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
-    `allowed[(module, name)]`.
-
-    Anything else raises UnsafePickleError. `persistent_load` handles persistent ids (torch uses
-    them for tensor storages). Pickles written by Python 2 (e.g. CIFAR-10's) need encoding="bytes"
-    or "latin1". The pickle is read and checked first (_read_pickle), so that it cannot make the
-    unpickler allocate more memory than it holds; a damaged one raises pickle.UnpicklingError.
-    """
+    `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
+    persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
+    or "latin1". The pickle is checked first (_read_pickle); a damaged one raises
+    pickle.UnpicklingError."""
     raw = _read_pickle(fileobj)
     return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
 
@@ -4142,8 +4066,7 @@ class _StorageType(_Record):
     __slots__ = ("name", "dtype")
 
     def __init__(self, name):
-        self.name = name
-        self.dtype = np.dtype(_TORCH_STORAGE_DTYPES[name])
+        self.name, self.dtype = name, np.dtype(_TORCH_STORAGE_DTYPES[name])
 
 
 class _Storage(_Record):
@@ -4151,14 +4074,12 @@ class _Storage(_Record):
     __slots__ = ("storage_type", "numel", "data")
 
     def __init__(self, storage_type, numel):
-        self.storage_type = storage_type
-        self.numel = numel
+        self.storage_type, self.numel = storage_type, numel
         self.data = None  # 1-D numpy array of numel elements
 
 
 class _Tensor(_Record):
-    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, turned into numpy by
-    _materialize."""
+    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, for _materialize."""
     __slots__ = ("storage", "offset", "size", "stride")
 
     def __init__(self, storage, offset, size, stride):
@@ -4168,8 +4089,7 @@ class _Tensor(_Record):
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
                        backward_hooks=None, metadata=None):
-    """What torch calls to rebuild a tensor; here it only records where the tensor's elements
-    are."""
+    """What torch calls to rebuild a tensor; here it only records where its elements are."""
     return _Tensor(storage, storage_offset, size, stride)
 
 
@@ -4213,13 +4133,9 @@ def _storage_id(path, saved_id, file_size):
     return storage_type, key, numel
 
 
-def _storage_array(path, storage, raw, little_endian):
-    """Raw bytes -> 1-D numpy array of storage.numel elements (bfloat16 widened to float32)."""
+def _storage_array(storage, raw, little_endian):
+    """Raw bytes (as many as its callers checked) -> the storage's 1-D array (bfloat16 widened)."""
     dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
-    if len(raw) < storage.numel * dtype.itemsize:
-        raise InputError(f"{path}: truncated tensor data ({len(raw)} bytes where "
-                         f"{storage.numel * dtype.itemsize} were expected); download or save it "
-                         f"again")
     data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
     if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
         data = (data.astype(np.uint32) << 16).view(np.float32)
@@ -4227,8 +4143,7 @@ def _storage_array(path, storage, raw, little_endian):
 
 
 def _materialize(path, obj, file_size):
-    """Replace every _Tensor in a nested structure by a numpy array (a copy, never a view of the
-    file).
+    """Replace every _Tensor in a nested structure by a numpy array (a copy, not a file view).
 
     A file holds each storage once, but any number of tensors can view one storage, so a few bytes
     of pickle per tensor could ask for far more memory than the file holds. Only views of one
@@ -4249,14 +4164,12 @@ def _materialize(path, obj, file_size):
                                  f"is damaged or was not written by torch.save")
             if 0 in obj.size:
                 return np.zeros(obj.size, data.dtype)
-            # A stride of 0 repeats elements; a few bytes could then ask for gigabytes. No state
-            # dict needs it.
+            # A stride of 0 repeats elements, a few bytes asking for gigabytes; no state dict does.
             if math.prod(obj.size) > data.size:
                 raise InputError(f"{path}: tensor of size {obj.size} has more elements than its "
                                  f"storage ({data.size}); repeated (expanded) tensors are not "
                                  f"supported, save them with .clone()")
-            # The last element a strided view touches must lie inside the storage, or as_strided
-            # would read arbitrary memory.
+            # The last element a view touches must lie in the storage, or as_strided reads anywhere.
             last = obj.offset + sum((n - 1) * s for n, s in zip(obj.size, obj.stride))
             if last >= data.size:
                 raise InputError(f"{path}: tensor of size {obj.size} reaches element {last} of a "
@@ -4283,8 +4196,7 @@ def _materialize(path, obj, file_size):
 
 
 def _load_torch_zip(path, archive, file_size):
-    """torch.save's default format since 1.6: <top>/data.pkl plus one file <top>/data/<key> per
-    storage."""
+    """torch.save's format since 1.6: <top>/data.pkl and a file <top>/data/<key> per storage."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl "
@@ -4324,7 +4236,7 @@ def _load_torch_zip(path, archive, file_size):
                 raise InputError(f"{path}: truncated or damaged file (storage {key!r} has "
                                  f"{info.file_size} bytes where {nbytes} were expected)")
             raw = read(info, f"storage {key!r}")
-            storage.data = _storage_array(path, storage, raw, little_endian)
+            storage.data = _storage_array(storage, raw, little_endian)
         return storages[key]
 
     raw = read(archive.getinfo(pickles[0]), pickles[0])
@@ -4376,18 +4288,16 @@ def _load_torch_legacy(path, f, file_size):
         if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
             raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
                              f"download or save it again")
-        storage.data = _storage_array(path, storage, f.read(nbytes), little_endian)
+        storage.data = _storage_array(storage, f.read(nbytes), little_endian)
     return obj
 
 
 def load_torch(path):
     """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
 
-    Reads both the zip format (torch >= 1.6 default, e.g. the official DiT checkpoints) and the
-    legacy format (e.g. pytorch-fid's Inception weights). Only tensor rebuilding is allowed; any
-    other global in the pickle raises UnsafePickleError before anything runs. bfloat16 tensors come
-    back as float32. Every size the file claims is checked against the file's own size before
-    memory is allocated for it; a file that fails a check raises InputError naming it.
+    Both the zip format (torch >= 1.6, e.g. the official DiT checkpoints) and the legacy one (e.g.
+    pytorch-fid's Inception weights); only tensor rebuilding is allowed, any other global raising
+    UnsafePickleError before anything runs. bfloat16 tensors come back as float32.
     """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
@@ -4412,8 +4322,7 @@ def load_torch(path):
         except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, IndexError,
                 TypeError, AttributeError, KeyError, ValueError, OverflowError, MemoryError,
                 RecursionError, NotImplementedError, RuntimeError, OSError) as e:
-            # Anything a damaged pickle or zip directory can raise: name the file, not the parser's
-            # internals.
+            # Anything a damaged pickle or zip directory can raise: name the file, not the parser.
             raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
                              f"{e}); download it again, or save it again with torch.save") from None
 
@@ -4431,10 +4340,8 @@ def read_npz(path, names=None):
     `names` that it holds (the others are left out, so that the caller can say what is missing).
 
     np.load allocates whatever an array's header claims before reading it, and reads zip entries
-    that overlap; here every claim is checked first against the bytes that are really there, so
-    that no file makes it allocate more than the file holds (1032 times that for
-    np.savez_compressed). Object arrays, which need pickle, are refused. A file that fails a check
-    raises InputError naming it.
+    that overlap; here each claim is checked first against the bytes really there (1032 times them
+    for np.savez_compressed), then numpy's read_array reads the array, refusing objects (pickle).
     """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
@@ -4462,17 +4369,14 @@ def read_npz(path, names=None):
 
 
 def _read_npy_member(path, archive, info, name):
-    """One .npy entry of an .npz, its header checked against the entry's size before the array is
-    made."""
-    if info.compress_type == zipfile.ZIP_STORED:
-        bound = info.compress_size
-    elif info.compress_type == zipfile.ZIP_DEFLATED:
-        bound = _DEFLATE_MAX_RATIO * info.compress_size
-    else:
+    """One .npy entry of an .npz, its header checked against the entry's size before it is read."""
+    ratios = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: _DEFLATE_MAX_RATIO}
+    ratio = ratios.get(info.compress_type)
+    if ratio is None:
         raise InputError(f"{path}: {name} is compressed with zip method {info.compress_type}; "
                          f"numpy.savez and savez_compressed write stored or deflated entries, "
                          f"write it with them")
-    if info.file_size > bound:
+    if info.file_size > ratio * info.compress_size:
         raise InputError(f"{path}: {name} claims {info.file_size} bytes from {info.compress_size} "
                          f"stored; the file is damaged or crafted")
     with archive.open(info) as f:
@@ -4559,8 +4463,7 @@ def read_safetensors(path):
 
 
 def write_safetensors(f, tensors, metadata):
-    """Write float32 `tensors` and string `metadata` to the open file f in the .safetensors format
-    that read_safetensors reads."""
+    """Write float32 `tensors` and string `metadata` to the open file f in .safetensors format."""
     header, offset = {"__metadata__": metadata}, 0
     for name, t in tensors.items():
         nbytes = 4 * int(np.prod(np.shape(t)))
@@ -4574,8 +4477,7 @@ def write_safetensors(f, tensors, metadata):
         f.write(np.ascontiguousarray(t, "<f4").tobytes())
 
 
-# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, bottom of the
-# page)
+# IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, at the end)
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
@@ -4667,8 +4569,7 @@ class _CappedGzip(gzip.GzipFile):
 
 def _unpickle_cifar(f, where: str) -> dict:
     try:
-        # encoding="bytes": the Python 2 str objects inside (keys, raw pixel buffers) come back as
-        # bytes
+        # encoding="bytes": Python 2's str objects inside (keys, pixel buffers) come back as bytes
         obj = safe_unpickle(f, _CIFAR_PICKLE_GLOBALS, encoding="bytes")
     except UnsafePickleError as e:
         raise UnsafePickleError(f"{where}: {e}") from None
@@ -4687,8 +4588,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 #################################################################################
 
 def read_json(path, valid, expected, fix):
-    """The JSON in `path`, which `valid(obj)` must accept: a damaged file fails here, naming itself
-    and saying `fix`, rather than later as a KeyError."""
+    """The JSON in `path`, which `valid(obj)` must accept; a damaged file fails here, with `fix`."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -4704,16 +4604,10 @@ def default_cache_dir():
     return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
 
 
-def file_digest(path, algorithm="sha256"):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, algorithm).hexdigest()
-
-
 def download(url, path, digest=None, algorithm="sha256"):
     """Fetch url into path. The bytes go to a temporary file that takes the final name only once
     complete and, when a published digest is given, verified: an interrupted or damaged download
-    never passes for the real file. Used for the Inception weights here and for the VAE and datasets
-    in dit.py."""
+    never passes for the real file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Named per host and process: hosts that share a cache folder can have equal process ids.
     tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)

@@ -25,6 +25,7 @@ folders and .npz files, `InceptionFeatures` to stream batches as they are genera
 
 import concurrent.futures
 import functools
+import hashlib
 import os
 import struct
 import sys
@@ -367,7 +368,8 @@ def load_inception(path=None, cache_dir=None):
         raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's "
                                 f"{FID_WEIGHTS_NAME} (from {FID_WEIGHTS_URL}) or leave the path "
                                 f"out to download it")
-    digest = dit.file_digest(path)
+    with open(path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
     if digest != FID_WEIGHTS_SHA256 and os.path.basename(path) == FID_WEIGHTS_NAME:
         raise dit.InputError(f"{path}: sha256 {digest} differs from the official "
                              f"{FID_WEIGHTS_SHA256}; the file is damaged or incomplete. Delete it "
