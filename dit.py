@@ -2457,7 +2457,7 @@ RECIPES = {
                    ema_warmup=False, steps=100_000, log_every=100, ckpt_every=5_000,
                    sample_every=5_000, final_fid=10_000),
     "mnist": dict(size="D", patch=4, batch_size=32, lr=2e-3, ema_decay=0.999, ema_warmup=True,
-                  steps=1_200, log_every=50, ckpt_every=600, sample_every=200, final_fid=0),
+                  steps=1_800, log_every=50, ckpt_every=600, sample_every=200, final_fid=0),
 }
 
 # The steps that `train --profile` traces, counted from the first step this process runs, which
