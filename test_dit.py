@@ -1074,6 +1074,7 @@ def test_loss_scaling_skips_overflows_and_adapts():
         assert ("loss_scale" in dit.loss_scale_state(dtype)) == scaled, dtype
 
 
+@slow
 def test_ema_warms_up():
     """With ema_warmup the EMA's decay is min(ema_decay, (1 + step) / (10 + step)); without, the
     constant ema_decay of DiT."""
