@@ -111,7 +111,7 @@ DIT_SIZES = {
     "L": dict(hidden_size=1024, depth=24, num_heads=16),
     "XL": dict(hidden_size=1152, depth=28, num_heads=16),
     "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: a tiny size for CPU demos
-    "D": dict(hidden_size=128, depth=6, num_heads=4),  # nor this: the MNIST demo's, minutes on a CPU
+    "D": dict(hidden_size=128, depth=6, num_heads=4),  # nor this: the MNIST demo's, for a CPU
 }
 
 

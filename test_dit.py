@@ -90,8 +90,8 @@ def fixture(name):
 
 
 def data(name):
-    """Path of real images: under $DIT_DATA when it is set (the full sets), else under fixtures/data/
-    (a few of each). A missing one fails the test."""
+    """Path of real images: under $DIT_DATA when it is set (the full sets), else under
+    fixtures/data/ (a few of each). A missing one fails the test."""
     path = os.path.join(os.environ.get("DIT_DATA") or os.path.join(HERE, "fixtures", "data"), name)
     if not os.path.exists(path):
         pytest.fail(f"real images {path} are missing")
@@ -3211,7 +3211,8 @@ def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
 def inception_weights(tmp_path_factory):
     """A weights file in the layout of pytorch-fid's, holding the random weights that the Inception
     references were made with: drawn from their seed by random_inception.py's rule, so that the
-    95 MB need not be stored (the real file's legacy format is test_torch_legacy_inception_keys's)."""
+    95 MB need not be stored (test_torch_legacy_inception_keys checks the real file's legacy
+    format)."""
     seed = int(np.load(fixture("inception_reference_seeded.npz"))["weights_seed"])
     keys = json.load(open(fixture("pt_inception_keys.json")))
     path = str(tmp_path_factory.mktemp("inception") / "inception_random.pth")
