@@ -824,13 +824,15 @@ class ImageFolder:
     pytorch-fid.
     """
 
-    def __init__(self, root):
-        self.paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                            if f.lower().endswith(dit.IMAGE_EXTENSIONS))
-        if not self.paths:
+    def __init__(self, root, count=None):
+        paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+                       if f.lower().endswith(dit.IMAGE_EXTENSIONS))
+        if not paths:
             raise dit.InputError(
                 f"no images ({', '.join(dit.IMAGE_EXTENSIONS)}) under {root}; give a "
                 f"folder that holds some")
+        # `count` of them, evenly spaced
+        self.paths = [paths[i] for i in evenly_spaced(len(paths), count)] if count else paths
         self.shape = self._read(self.paths[0]).shape
         self.pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
 
@@ -878,7 +880,7 @@ def load_images(source, count=None, data_dir=None):
         if images.shape[-1] == 1:  # MNIST: gray to RGB, as the sampler writes digits
             images = np.repeat(images, 3, axis=-1)
     elif os.path.isdir(source):
-        images = ImageFolder(source)
+        return ImageFolder(source, count)
     elif not os.path.isfile(source):
         raise FileNotFoundError(f"{source}: no such folder or file (or dataset: "
                                 f"{', '.join(DATASETS)})")
@@ -896,13 +898,7 @@ def load_images(source, count=None, data_dir=None):
                 f"{source}: arr_0 is {images.dtype} {images.shape}, not uint8 RGB images "
                 f"(N, H, W, 3); convert floats in [0, 1] with "
                 f"(x * 255).round().clip(0, 255).astype(np.uint8)")
-    if count and count < len(images):
-        keep = evenly_spaced(len(images), count)
-        if isinstance(images, ImageFolder):
-            images.paths = [images.paths[i] for i in keep]
-        else:
-            images = images[keep]
-    return images
+    return images[evenly_spaced(len(images), count)] if count else images
 
 
 def image_statistics(images, inception, batch_size=128, progress=True, protocol=DEFAULT_PROTOCOL):
