@@ -5,11 +5,10 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 (arXiv:2212.09748). Official PyTorch code: github.com/facebookresearch/DiT. On the same weights and
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
-The file is a book in three parts. Part I is DiT itself: the paper's model, its objectives and their
-samplers, pure functions and modules with no file input or output, using no name defined after it;
-a reader can stop at its end. Part II opens with what the harness's model (DiTPlus) and objectives
-add to the paper, then the harness that feeds and drives them.
-Part III reads the files that come from outside, checking every claim they make.
+The file is a book in three parts. Part I is DiT itself, pure functions and modules with no file
+input or output that use no name defined after them: a reader can stop at its end. Part II opens
+with what the harness's model (DiTPlus) and objectives add to the paper, then the harness that feeds
+and drives them. Part III reads the files from outside, checking every claim they make.
 
     Part I: the core
       1. Configuration                    the model sizes of the paper; InputError
@@ -105,23 +104,20 @@ if __name__ == "__main__":
 
 # Hidden size, depth and heads of the four model sizes of Table 1 in the paper. With patch size 2,
 # 4 or 8 they give the twelve official configurations (DiT-S/2 ... DiT-XL/8).
-DIT_SIZES = {
-    "S": dict(hidden_size=384, depth=12, num_heads=6),
-    "B": dict(hidden_size=768, depth=12, num_heads=12),
-    "L": dict(hidden_size=1024, depth=24, num_heads=16),
-    "XL": dict(hidden_size=1152, depth=28, num_heads=16),
-    "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: a tiny size for CPU demos
-    "D": dict(hidden_size=128, depth=6, num_heads=4),  # nor this: the MNIST demo's, for a CPU
-}
+DIT_SIZES = {"S": dict(hidden_size=384, depth=12, num_heads=6),
+             "B": dict(hidden_size=768, depth=12, num_heads=12),
+             "L": dict(hidden_size=1024, depth=24, num_heads=16),
+             "XL": dict(hidden_size=1152, depth=28, num_heads=16),
+             "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: for CPU demos
+             "D": dict(hidden_size=128, depth=6, num_heads=4)}  # nor this: the MNIST demo's
 
 
 class InputError(ValueError):
     """What the user gave (a file, folder, path, option or the data in them) cannot be used.
 
-    The message names it and says what to do. The command lines (run_cli) print that message
-    alone, on one line and without a traceback; any other exception is a bug and keeps its
-    traceback. A ValueError, so that code catching bad values catches these too.
-    """
+    The message names it and says what to do; the command lines (run_cli) print it alone on one
+    line, without the traceback that any other exception, a bug, keeps. A ValueError, so that code
+    catching bad values catches these too."""
 
     def _render_traceback_(self):
         """What IPython and Jupyter show of it in place of a traceback: the same one line."""
@@ -130,10 +126,9 @@ class InputError(ValueError):
 
 def one_line(e):
     """`error: <message>` of an InputError or an OSError (a missing file, a full disk)."""
+    message = str(e)
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
-    else:
-        message = str(e)
     # A message can quote another library's error text, which may span lines.
     return "error: " + " ".join(message.splitlines())
 
@@ -208,13 +203,11 @@ def timestep_embedding(t, dim, max_period=10000):
 
 
 def sincos_pos_embed_2d(dim, grid):
-    """Fixed 2-D sine-cosine position table (T, dim) of a grid x grid patch layout, T = grid**2,
-    row-major over the patches.
+    """Fixed 2-D sine-cosine position table (T, dim) of grid x grid patches, T = grid**2, row-major.
 
-    Half of the channels encode the column and half the row (MAE's get_2d_sincos_pos_embed, which
-    DiT uses; the column comes first, as the official meshgrid orders it). float64 numpy, as the
-    official table is built, so that it is a constant of the compiled program.
-    """
+    Half of the channels encode the column, first, as the official meshgrid orders it, and half the
+    row (MAE's get_2d_sincos_pos_embed, which DiT uses). float64 numpy, as the official table is
+    built, so that it is a constant of the compiled program."""
     def embed_1d(d, pos):
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         out = np.outer(pos.reshape(-1), omega)  # (T, d/2)
@@ -234,8 +227,7 @@ class TimestepEmbedder(nnx.Module):
         self.mlp = nnx.Sequential(
             nnx.Linear(freq_size, hidden_size, kernel_init=normal02, dtype=dtype, rngs=rngs),
             nnx.silu,
-            nnx.Linear(hidden_size, hidden_size, kernel_init=normal02, dtype=dtype, rngs=rngs),
-        )
+            nnx.Linear(hidden_size, hidden_size, kernel_init=normal02, dtype=dtype, rngs=rngs))
 
     def __call__(self, t):  # (B,) -> (B, D)
         return self.mlp(timestep_embedding(t, self.freq_size))
@@ -260,8 +252,7 @@ class LabelEmbedder(nnx.Module):
 #################################################################################
 #                                3. The DiT model                               #
 #################################################################################
-# The paper's model, as Fig. 3 draws it. Part II opens with the switches of DiT+, which replace some
-# of its parts, and with what makes it fast and fit in memory without changing its numbers.
+# The paper's model, as Fig. 3 draws it; the switches of DiT+ (Part II) replace some of its parts.
 
 def modulate(x, shift, scale):
     """adaLN: scale and shift the normalised tokens x (B, T, D) per sample with (B, D) vectors."""
@@ -269,9 +260,8 @@ def modulate(x, shift, scale):
 
 
 def layer_norm(x, eps=1e-6):
-    """LayerNorm without learnable affine parameters: adaLN supplies scale and shift instead.
-    Computed in float32 whatever the compute dtype, since bfloat16 variances lose too much
-    precision."""
+    """LayerNorm without learnable affine parameters (adaLN supplies scale and shift), in float32
+    whatever the compute dtype: bfloat16 variances lose too much precision."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -290,8 +280,7 @@ class PatchEmbed(nnx.Module):
     map that a p x p convolution with stride p computes."""
 
     def __init__(self, in_channels, hidden_size, patch_size, *, dtype, rngs):
-        # Xavier over the flattened patch, as the official code computes it on the weight's 2-D
-        # view.
+        # Xavier over the flattened patch, as the official code initialises the weight's 2-D view.
         init = nnx.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=(0, 1, 2),
                                                  out_axis=-1)
         self.proj = nnx.Conv(in_channels, hidden_size, (patch_size, patch_size), strides=patch_size,
@@ -341,10 +330,8 @@ class DiTBlock(nnx.Module):
     """A DiT block with adaLN-Zero conditioning (Sec. 3.2, Fig. 3).
 
     From the conditioning vector c the block regresses a shift, a scale and a gate for both the
-    attention and the MLP branch. The regression is initialised to zero, so every block starts as
-    the identity function, which the paper found best among the conditioning schemes it tried
-    (Fig. 5).
-    """
+    attention and the MLP branch. The regression starts at zero, so every block starts as the
+    identity, which the paper found best among the conditioning schemes it tried (Fig. 5)."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         D = cfg.hidden_size
@@ -357,8 +344,7 @@ class DiTBlock(nnx.Module):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
             self.adaLN_modulation(c), 6, axis=-1)
         x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa))
-        x = x + gate_mlp[:, None] * self.mlp(modulate(self.norm(x), shift_mlp, scale_mlp))
-        return x
+        return x + gate_mlp[:, None] * self.mlp(modulate(self.norm(x), shift_mlp, scale_mlp))
 
 
 class FinalLayer(nnx.Module):
@@ -379,11 +365,9 @@ class FinalLayer(nnx.Module):
 class DiT(nnx.Module):
     """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
     (B,) in, the objective's target out, (B, H, W, C_out): the velocity under rectified flow, the
-    noise (and the variance values, when learn_sigma) under DDPM.
-
-    `dtype` is the compute dtype (bfloat16 or float16 for mixed precision); parameters stay
-    float32. DiTPlus (Part II) builds the blocks of DiT+ in place of Block and Final.
-    """
+    noise (and the variance values, when learn_sigma) under DDPM. `dtype` is the compute dtype
+    (bfloat16 or float16 for mixed precision); parameters stay float32. DiTPlus (Part II) builds the
+    blocks of DiT+ in place of Block and Final."""
     Block, Final = DiTBlock, FinalLayer
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -417,30 +401,23 @@ class DiT(nnx.Module):
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
         """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official
-        sampler uses it.
-
-        The batch is two halves: conditional labels first, null labels second; the first half of x
-        is used for both (the second half of x is ignored), and the guided prediction
-            uncond + cfg_scale * (cond - uncond)
-        is returned for both halves. Only the first `guidance_channels` channels are guided: the
-        official FID figures (2.27 for DiT-XL/2 at scale 1.5) used 3 of the 4 latent channels; None
-        guides all the predicted channels (the noise or velocity; a learned variance is never
-        guided). `interval`, a pair (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise
-        range and samples conditionally elsewhere (Kynkaanniemi et al. 2024, "Applying guidance in a
-        limited interval").
-        """
+        sampler uses it. The batch is two halves, conditional labels first and null labels second;
+        the first half of x serves both (the second half is ignored), and both halves get the guided
+        prediction uncond + cfg_scale * (cond - uncond). Only the first `guidance_channels` channels
+        are guided: the official FID figures (2.27 for DiT-XL/2 at scale 1.5) used 3 of the 4 latent
+        channels; None guides the noise or velocity, never a learned variance. `interval`, a pair
+        (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise range, elsewhere sampling
+        conditionally (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval")."""
         half = x[: x.shape[0] // 2]
         out = self(jnp.concatenate([half, half]), t, y)              # (2B, H, W, C_out)
         C = self.cfg.in_channels
         n = C if guidance_channels is None else min(guidance_channels, C)
-        guided, rest = out[..., :n], out[..., n:]
-        cond, uncond = jnp.split(guided, 2)
+        cond, uncond = jnp.split(out[..., :n], 2)                    # each (B, H, W, n)
         scale = jnp.full(t.shape, cfg_scale, jnp.float32)
         if interval is not None:
             scale = jnp.where((t >= interval[0]) & (t <= interval[1]), scale, 1.0)
-        scale = scale[: half.shape[0], None, None, None]
-        mixed = uncond + scale * (cond - uncond)
-        return jnp.concatenate([jnp.concatenate([mixed, mixed]), rest], axis=-1)
+        mixed = uncond + scale[: half.shape[0], None, None, None] * (cond - uncond)
+        return jnp.concatenate([jnp.concatenate([mixed, mixed]), out[..., n:]], axis=-1)
 
 
 def count_params(model):
@@ -456,17 +433,15 @@ def count_params(model):
 # themselves taken from OpenAI's improved-diffusion / guided-diffusion); the next is rectified flow.
 #
 # Both talk to the network through one interface: model_fn(x, t) -> out, with x (B, H, W, C) and t
-# (B,) float32 timesteps on DiT's 0..1000 scale. Class labels and classifier-free guidance are
-# closed over by the caller, e.g.
+# (B,) float32 timesteps on DiT's 0..1000 scale. The caller closes over labels and guidance, e.g.
 # model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
 #
-# And both answer the rest of the code through one interface of their own: `name` (what checkpoints
+# Both answer the rest of the code through one interface of their own: `name` (what checkpoints
 # record, with the SETTINGS that rebuild it), `learn_sigma` (whether the model's output channels are
-# doubled), their samplers METHODS with a default method and step count, training_losses and
-# losses_at (per-sample losses (B,) and each sample's noise level, a fraction in [0, 1] mapped from
-# the objective's own time; `time_at` maps it back), and sample(model_fn, noise, key, steps,
-# method). `mask`, weights broadcastable to the per-element loss (B, H, W, C), restricts each loss
-# to the masked elements; None is all of them.
+# doubled), their samplers METHODS, a default method and step count, training_losses and losses_at
+# (per-sample losses (B,) and each sample's noise level in [0, 1], which `time_at` maps back to the
+# objective's own time), and sample(model_fn, noise, key, steps, method). `mask`, weights
+# broadcastable to the per-element loss (B, H, W, C), restricts each loss to the masked elements.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
@@ -503,18 +478,15 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
                              f"steps, cannot take {count} of them (need 1 <= count <= {size})")
         stride = (size - 1) / (count - 1) if count > 1 else 1
         # accumulated and rounded (to even) as the official code does: same string, same steps
-        cur = 0.0
-        for _ in range(count):
-            steps.append(start + round(cur))
-            cur += stride
+        positions = itertools.accumulate([stride] * (count - 1), initial=0.0)
+        steps += [start + round(cur) for cur in positions]
         start += size
     return sorted(set(steps))
 
 
 def _extract(table, t, ndim):
-    """table[t] for a batch of step indices t (B,), as float32 shaped (B, 1, ..., 1) to broadcast
-    against (B, H, W, C). The table is computed in float64 and rounded to float32, the values the
-    official _extract_into_tensor gathers."""
+    """table[t] for step indices t (B,), shaped (B, 1, ..., 1) to broadcast against (B, H, W, C):
+    float32, rounded from the float64 table, as the official _extract_into_tensor gathers."""
     values = jnp.asarray(table, dtype=jnp.float32)[t]
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
@@ -535,41 +507,34 @@ def _normal_kl(mean1, logvar1, mean2, logvar2):
                   + (mean1 - mean2) ** 2 * jnp.exp(-logvar2))
 
 
-def _approx_standard_normal_cdf(x):
-    """The official code's tanh approximation of the standard normal CDF, so the VLB matches."""
-    return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
 def _discretized_gaussian_log_likelihood(x, means, log_scales):
     """log P(x) per element under N(means, e^(2 log_scales)) integrated over x's bin of width 2/255,
     with the outermost bins open-ended (Ho et al. 2020 eq. 13). x is data assumed in [-1, 1]."""
-    centered = x - means
-    inv_std = jnp.exp(-log_scales)
-    cdf_plus = _approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))
-    cdf_min = _approx_standard_normal_cdf(inv_std * (centered - 1.0 / 255.0))
-    log_cdf_plus = jnp.log(jnp.maximum(cdf_plus, 1e-12))
-    log_one_minus_cdf_min = jnp.log(jnp.maximum(1.0 - cdf_min, 1e-12))
-    log_cdf_delta = jnp.log(jnp.maximum(cdf_plus - cdf_min, 1e-12))
-    return jnp.where(x < -0.999, log_cdf_plus,
-                     jnp.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
+    def cdf(v):  # the official tanh approximation of the standard normal CDF, so the VLB matches
+        return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3)))
+
+    centered, inv_std = x - means, jnp.exp(-log_scales)
+    cdf_plus = cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_min = cdf(inv_std * (centered - 1.0 / 255.0))
+    p = jnp.where(x < -0.999, cdf_plus, jnp.where(x > 0.999, 1.0 - cdf_min, cdf_plus - cdf_min))
+    return jnp.log(jnp.maximum(p, 1e-12))
 
 
 def check_output(objective, out, x):
-    """The channels C of x (B, H, W, C), after a ValueError unless the model's output `out` has
-    the objective's channels: 2C under learned variance, else C."""
+    """The model's output `out`, after a ValueError unless it has the objective's channels for x
+    (B, H, W, C): 2C under learned variance, else C."""
     C = x.shape[-1]
     if out.shape != x.shape[:-1] + ((2 if objective.learn_sigma else 1) * C,):
         raise ValueError(f"the objective {objective.name} needs the model's output for x of shape "
                          f"{x.shape} to have {2 * C if objective.learn_sigma else C} channels, got "
                          f"{out.shape}; build the DiT with learn_sigma={objective.learn_sigma}")
-    return C
+    return out
 
 
 class GaussianDiffusion:
     """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT
-    trains it: linear betas, epsilon prediction, loss = MSE(eps) + VLB, where the VLB term only
-    trains the variance. Equals the official create_diffusion(timestep_respacing) with its defaults
-    (learn_sigma=True, MSE loss).
+    trains it: linear betas, epsilon prediction, loss = MSE(eps) + VLB. Equals the official
+    create_diffusion(timestep_respacing) with its defaults (learn_sigma=True, MSE loss).
 
     timestep_respacing: "" keeps all num_timesteps steps (training); "250" or "ddim25" (see
     space_timesteps) builds the shorter chain that samplers walk: the kept steps keep their
@@ -634,8 +599,7 @@ class GaussianDiffusion:
         no clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the
         log-variance between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal
         eq. 15). Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
-        C = check_output(self, model_out, x)
-        eps, var_values = model_out[..., :C], model_out[..., C:]
+        eps, var_values = jnp.split(check_output(self, model_out, x), 2, axis=-1)
         min_log = _extract(self.posterior_log_variance_clipped, t_index, x.ndim)
         max_log = _extract(np.log(self.betas), t_index, x.ndim)
         frac = (var_values + 1) / 2
@@ -660,8 +624,7 @@ class GaussianDiffusion:
         eps = model_out[..., :x0.shape[-1]]
         # The VLB term trains only the variance: the mean it sees is frozen, so the eps head learns
         # from the MSE alone (the official `frozen_out`).
-        frozen = jnp.concatenate([jax.lax.stop_gradient(eps), model_out[..., x0.shape[-1]:]],
-                                 axis=-1)
+        frozen = model_out.at[..., :x0.shape[-1]].set(jax.lax.stop_gradient(eps))
         p = self.p_mean_variance(frozen, x_t, t)
         true_mean, true_log_variance = self._q_posterior(x0, x_t, t)
         kl = _mean_flat(_normal_kl(
@@ -689,16 +652,14 @@ class GaussianDiffusion:
         return chain.walk(model_fn, noise, key, method, return_trajectory)
 
     def walk(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
-        """Walk this instance's chain from t = T-1 down to 0, starting at noise (B, H, W, C).
-        method "ddpm": ancestral sampling, x_{t-1} ~ p(x_{t-1} | x_t) with fresh noise from key each
-        step (official p_sample_loop). method "ddim": DDIM with eta = 0 (Song et al. 2021 eq. 12),
-        deterministic, key unused (official ddim_sample_loop). No clipping of the x_0 prediction, as
-        DiT samples latents. Returns x0 (B, H, W, C), or (x0, trajectory (T+1, B, H, W, C) starting
-        with noise) when asked."""
+        """Walk this chain from t = T-1 down to 0, from noise (B, H, W, C): "ddpm" samples
+        ancestrally, x_{t-1} ~ p(x_{t-1} | x_t), with fresh noise from key (official p_sample_loop);
+        "ddim" is DDIM with eta = 0 (Song et al. 2021 eq. 12), deterministic, key unused (official
+        ddim_sample_loop). No clipping of the x_0 prediction, as DiT samples latents. Returns x0, or
+        (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
         check_sampler(self, self.num_timesteps, method)
         if method == "ddpm" and key is None:
-            raise ValueError("ancestral ('ddpm') sampling draws fresh noise at every step: pass a "
-                             "PRNG key")
+            raise ValueError("ancestral ('ddpm') sampling draws fresh noise: pass a PRNG key")
         steps = jnp.arange(self.num_timesteps - 1, -1, -1)
         step_keys = jax.random.split(key, self.num_timesteps) if method == "ddpm" else None
 
@@ -706,11 +667,9 @@ class GaussianDiffusion:
             i, step_key = inputs
             t = jnp.full((x.shape[0],), i)
             p = self.p_mean_variance(model_fn(x, self._model_time(t)), x, t)
-            if method == "ddpm":
+            if method == "ddpm":  # fresh noise at every step but the last
                 z = jax.random.normal(step_key, x.shape, x.dtype)
-                # none at the last step
-                keep_noise = (t != 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
-                x = p["mean"] + keep_noise * jnp.exp(0.5 * p["log_variance"]) * z
+                x = p["mean"] + (i > 0) * jnp.exp(0.5 * p["log_variance"]) * z
             else:
                 # eps re-derived from pred_xstart as the official code does (the same rounding)
                 eps = ((_extract(self.sqrt_recip_alphas_cumprod, t, x.ndim) * x - p["pred_xstart"])
@@ -720,9 +679,7 @@ class GaussianDiffusion:
             return x, (x if return_trajectory else None)
 
         x, trajectory = jax.lax.scan(step, noise, (steps, step_keys))
-        if return_trajectory:
-            return x, jnp.concatenate([noise[None], trajectory])
-        return x
+        return (x, jnp.concatenate([noise[None], trajectory])) if return_trajectory else x
 
 #################################################################################
 #                                5. Rectified flow                              #
@@ -759,9 +716,7 @@ class RectifiedFlow:
 
     def _velocity(self, model_fn, x, t):
         """The network's velocity at x (B, H, W, C) and times t (B,) in [0, 1]."""
-        v = model_fn(x, 1000.0 * t)
-        check_output(self, v, x)
-        return v
+        return check_output(self, model_fn(x, 1000.0 * t), x)
 
     def time_at(self, level):
         """The time t of a noise level: the level itself."""
@@ -823,9 +778,8 @@ def integrate(f, x, times, method, return_trajectory=False):
 #################################################################################
 
 def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
-    """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4, betas 0.9
-    and 0.999); optional linear warm-up and clipping of the global gradient norm. Returns
-    (optimizer, schedule)."""
+    """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4, betas 0.9 and
+    0.999); optional linear warm-up and global gradient clipping. Returns (optimizer, schedule)."""
     schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
     adamw = optax.adamw(schedule, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=0.0)
     if grad_clip:
@@ -856,14 +810,12 @@ def batch_losses(objective, model, x, y, key, drop_key):
 def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
                     gradient=loss_gradient, batch_losses=batch_losses):
     """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
-    the metrics being the mean loss, the gradient's norm and the per-sample `losses` of the
-    objective. `gradient` computes the gradients from the loss (the harness scales float16's),
-    `batch_losses` the per-sample losses (the harness's deferred masking counts a share of the
-    patches).
+    the metrics being the mean loss, the gradient's norm and the objective's per-sample `losses`.
+    `gradient` computes the gradients from the loss (the harness scales float16's), `batch_losses`
+    the per-sample losses (the harness's deferred masking counts a share of the patches).
 
     The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
-    so a resumed run draws exactly what an uninterrupted one would, on any number of devices.
-    """
+    so a resumed run draws exactly what an uninterrupted one would, on any number of devices."""
     def train_step(state, x, y):  # x (B, H, W, C), y (B,)
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
         key_objective, key_drop = jax.random.split(key)
