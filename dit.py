@@ -877,33 +877,25 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                              PART II: THE HARNESS                             #
 #                                                                               #
 #################################################################################
-# First what the model adds to the paper: the switches of DiT+, the objective EDM, and what makes it
-# fast and fit in memory. Then everything that connects the core to the world: weight files, the
-# autoencoder, datasets, checkpoints, the training loop over devices and hosts, evaluation, the
-# benchmark, the command line.
 
 #################################################################################
 #                      DiT+: the switches beyond the paper                      #
 #################################################################################
 # The switches of DiTConfig (ARCHS), each a change that later work found to help at DiT's scale.
-# DiTPlus, the model that the harness trains, builds the block and final layer below; with every
-# switch off they compute the paper's model of section 3.
+# DiTPlus, the model that the harness trains, builds the block and final layer below.
 
 def rms_norm(x, eps=1e-6):
-    """RMSNorm (Zhang & Sennrich 2019), which the rms_norm switch puts in place of layer_norm: no
-    mean is subtracted, so the tokens keep their offset; no affine parameters, float32, as
-    layer_norm."""
+    """RMSNorm (Zhang & Sennrich 2019), the rms_norm switch's layer_norm: no mean is subtracted, so
+    the tokens keep their offset; no affine parameters, float32, as layer_norm."""
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def rope_tables(head_dim, grid):
-    """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021, in 2-D as
-    EVA-02 and LightningDiT use them) for a grid x grid layout of patches, row-major.
-
-    Channel i of a head is rotated together with channel i + head_dim/2 by an angle: in the first
-    half of the pairs the patch's row times a frequency, in the second half its column; the
-    frequencies fall geometrically from 1 towards 1/10000 over each half."""
+    """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021; in 2-D as in
+    EVA-02 and LightningDiT) for a grid x grid of patches, row-major. Channel i of a head turns with
+    channel i + head_dim/2 by the patch's row times a frequency in the first half of the pairs, by
+    its column in the second; each half's frequencies fall geometrically from 1 towards 1/10000."""
     freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
     rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
     angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
@@ -912,9 +904,8 @@ def rope_tables(head_dim, grid):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by the angles of
-    rope_tables, (T, d) or each sample's own (B, T, d): then q . k depends on the two patches'
-    positions only through their offset."""
+    """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by rope_tables'
+    angles, (T, d) or each sample's own (B, T, d), so that q . k sees only the patches' offset."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
@@ -960,10 +951,9 @@ def swish_gate(a, b):
 
 
 class SwiGLU(nnx.Module):
-    """The swiglu feed-forward layer (Shazeer 2020, "GLU variants improve Transformer"):
-    w3(silu(x w1) * (x w2)), with w1 and w2 fused into w12. Its three matrices at 2/3 of the GELU
-    MLP's width hold as many weights as the MLP's two; its biases add a third of the MLP's width
-    per block (512 on DiT-S)."""
+    """The swiglu feed-forward layer w3(silu(x w1) * (x w2)), w1 and w2 fused into w12 (Shazeer
+    2020, "GLU variants improve Transformer"). At 2/3 of the GELU MLP's width its three matrices
+    hold as many weights as the MLP's two; its biases add 4D/3 per block (512 on DiT-S)."""
 
     def __init__(self, dim, hidden, *, dtype, rngs):
         self.w12 = nnx.Linear(dim, 2 * hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
@@ -975,9 +965,8 @@ class SwiGLU(nnx.Module):
 
 
 class DiTPlusBlock(DiTBlock):
-    """The DiT block with the parts that cfg's switches replace; adaLN-Zero and the forward pass
-    are the paper's. Its norms and activations are recomputed in the backward pass, and the whole
-    block as `remat` says (see "Memory and speed")."""
+    """The paper's DiT block (adaLN-Zero, the forward pass) with the parts cfg's switches replace;
+    norms and activations are recomputed in the backward pass, the whole block as `remat` says."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
@@ -997,8 +986,7 @@ class DiTPlusBlock(DiTBlock):
 
 
 class DiTPlusFinalLayer(FinalLayer):
-    """The final layer, with RMSNorm instead of LayerNorm under rms_norm, recomputed as the
-    block's."""
+    """The final layer, with RMSNorm under rms_norm, recomputed as the block's."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
@@ -1006,10 +994,9 @@ class DiTPlusFinalLayer(FinalLayer):
 
 
 class DiTPlus(DiT):
-    """The model that the harness trains and samples, for both architectures: the paper's DiT with
-    the blocks of DiT+, which compute the paper's when every switch is off, and run as "Memory and
-    speed" says: float32 products in float32, the blocks recomputed in the backward pass under
-    `remat` (a key of REMAT_POLICIES, or None). None of that changes what it computes."""
+    """The model the harness trains and samples, for both architectures: DiT with DiT+'s blocks (the
+    paper's with every switch off), run as "Memory and speed" says: float32 products in float32,
+    blocks recomputed in the backward pass as `remat` (a REMAT_POLICIES key, or None) says."""
     Block, Final = DiTPlusBlock, DiTPlusFinalLayer
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
@@ -1027,21 +1014,17 @@ class DiTPlus(DiT):
 #################################################################################
 # MicroDiT's cheaper training step (Sehwag et al. 2024, "Stretching Each Dollar: Diffusion Training
 # from Scratch on a Micro-Budget", Sec. 3): a patch-mixer sees every patch token; then a random
-# share of the tokens is dropped and the backbone works on the rest; the loss counts only the
-# patches that were kept. The paper reports that masking the input directly (MaskDiT without its
-# decoder) loses quality at high ratios where masking after the mixer keeps it: each kept token
-# already carries what the mixer gathered from the dropped ones. Sampling and validation always see
-# every patch.
+# share of the tokens is dropped, the backbone works on the rest and the loss counts only the kept
+# patches. The paper reports that masking the input directly (MaskDiT without its decoder) loses
+# quality at high ratios where masking after the mixer keeps it: each kept token already carries
+# what the mixer gathered from the dropped ones. Sampling and validation see every patch.
 #
-# The mixer is the model's own first `mixer_depth` blocks, the backbone the blocks after them:
-# DiTPlus's blocks, adaLN-Zero-conditioned on t and y like the others. MicroDiT's mixer is its
-# backbone's block too, conditioned as the backbone is (adaLN on the timestep and the pooled
-# caption, cross-attention to the caption), at the backbone's width in its small models: what a
-# token should gather from its neighbours before they are dropped depends on the noise level and
-# the class, which plain transformer blocks would not see (a comparison with them is not measured
-# here). Taking the mixer from the model's depth keeps the parameter count (DiT-S/2's at S/2, with
-# a backbone two blocks shallower at the default depth 2), and makes a model trained so a plain
-# DiTPlus: it samples, exports and loads as one.
+# The mixer is the model's own first `mixer_depth` blocks (default 2), the backbone the rest. As in
+# MicroDiT, the mixer's blocks are the backbone's, conditioned as they are (here adaLN-Zero on t and
+# y, there also on the caption): what a token should gather from its neighbours before they are
+# dropped depends on the noise level and the class, which plain transformer blocks would not see (a
+# comparison with them is not measured here). Taking the mixer from the model's depth keeps the
+# parameter count, and a model trained so is a plain DiTPlus: it samples, exports and loads as one.
 
 def scatter_patches(model, tokens, keep):
     """Tokens of the kept patches (B, T_keep, p*p*C), which keep (B, T_keep) names, back in the
@@ -1103,17 +1086,15 @@ class DeferredMasking:
 
 class EDM:
     """The denoiser of Karras et al. 2022 ("Elucidating the Design Space of Diffusion-Based
-    Generative Models"), written against the interface of the core's objectives (section 4). Data
-    x_0 noised to x = x_0 + sigma n, and the network F preconditioned (their Table 1):
+    Generative Models") behind the core's objective interface (section 4). Data x_0 is noised to
+    x = x_0 + sigma n and the network F preconditioned (their Table 1):
         D(x; sigma) = c_skip x + c_out F(c_in x, c_noise),  c_noise = ln(sigma) / 4,
-    with c_skip, c_out and c_in keeping F's input and target at unit variance for data of standard
+    c_skip, c_out and c_in keeping F's input and target at unit variance for data of standard
     deviation sigma_data: 0.5 for pixels in [-1, 1], as theirs, and measured for latents
     (Dataset.sigma_data). Training draws ln(sigma) ~ N(P_MEAN, P_STD^2) and weighs the denoising
-    error by lambda(sigma) = 1 / c_out^2; sampling is Heun's method (their Algorithm 1) over the
-    rho = 7 schedule from SIGMA_MAX to SIGMA_MIN, then to 0. DiT sees c_noise mapped linearly so
-    that [SIGMA_MIN, SIGMA_MAX] spans its 0..1000; the noise level is sigma / (1 + sigma), rectified
-    flow's t at the same signal-to-noise ratio. The network predicts (B, H, W, C), without learned
-    variance."""
+    error by lambda(sigma) = 1 / c_out^2. DiT sees c_noise mapped linearly so that [SIGMA_MIN,
+    SIGMA_MAX] spans its 0..1000; the noise level is sigma / (1 + sigma), rectified flow's t at the
+    same signal-to-noise ratio. The network predicts (B, H, W, C), without learned variance."""
     name, learn_sigma, SETTINGS = "edm", False, ("sigma_data",)
     # its samplers; by default Heun at their 18 steps (35 network calls)
     METHODS = ("heun", "euler")
@@ -1155,10 +1136,10 @@ class EDM:
 
     def sample(self, model_fn, noise, key, steps, method="heun", return_trajectory=False):
         """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from
-        SIGMA_MAX * noise (noise (B, H, W, C)) over `steps` levels of the rho = 7 schedule; key
-        unused. "heun" corrects each step but the last (to sigma = 0, where Euler's step gives
-        D(x; sigma) itself) with a second call; "euler" does not. Returns x0, or (x0, trajectory
-        (steps+1, B, H, W, C) starting with noise) when asked."""
+        SIGMA_MAX * noise (noise (B, H, W, C)) over `steps` levels of the rho = 7 schedule to
+        SIGMA_MIN, then to 0; key unused. "heun" (their Algorithm 1) corrects each step but the last
+        (to 0, where Euler's step gives D(x; sigma) itself) with a second call; "euler" does not.
+        Returns x0, or (x0, trajectory (steps+1, B, H, W, C) starting with noise) when asked."""
         check_sampler(self, steps, method)
         hi, lo = self.SIGMA_MAX ** (1 / self.RHO), self.SIGMA_MIN ** (1 / self.RHO)
         sigmas = (hi + jnp.linspace(0.0, 1.0, steps) * (lo - hi)) ** self.RHO  # (steps,)
@@ -1166,9 +1147,7 @@ class EDM:
         slope = lambda x, s: (x - denoise(x, s)) / s  # noqa: E731  dx/dsigma
         x, trajectory = integrate(slope, noise * self.SIGMA_MAX, sigmas, method, return_trajectory)
         x = denoise(x, sigmas[-1])
-        if return_trajectory:
-            return x, jnp.concatenate([noise[None], trajectory, x[None]])
-        return x
+        return (x, jnp.concatenate([noise[None], trajectory, x[None]])) if return_trajectory else x
 
 
 # The objectives, by the name that --objective and the checkpoints give.
@@ -1176,17 +1155,15 @@ OBJECTIVES = {objective.name: objective for objective in (RectifiedFlow, Gaussia
 
 
 def make_objective(name, **options):
-    """The objective called `name`, built from those of `options` that are its SETTINGS: a
-    checkpoint records each objective's own (objective_record), the command line offers every
-    objective the same, and a file's other claims are not arguments of anything."""
+    """The objective called `name`, built from those of `options` that are its SETTINGS, ignoring
+    the others: the command line offers every objective the same, a checkpoint records its own."""
     if name not in OBJECTIVES:
         raise InputError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
     return OBJECTIVES[name](**{k: v for k, v in options.items() if k in OBJECTIVES[name].SETTINGS})
 
 
 def objective_record(objective):
-    """What a checkpoint records of an objective: its name and SETTINGS, make_objective's
-    arguments."""
+    """A checkpoint's record of an objective: its name and SETTINGS, make_objective's arguments."""
     return {"name": objective.name, **{k: getattr(objective, k) for k in objective.SETTINGS}}
 
 
@@ -1194,29 +1171,25 @@ def objective_record(objective):
 #                                Memory and speed                               #
 #################################################################################
 # Nothing here changes what the model computes (test_dit.py checks each). The backward pass needs
-# the activations of the forward pass; kept, layer_norm's float32 intermediates would take twice the
-# memory of the tokens themselves in every block, gelu's five more (B, T, 4D) tensors, DiT+'s
-# normalisation and rotation of queries and keys four more (B, T, D). DiTPlus recomputes each from
-# its input instead: the functions through `recomputed`, DiT+'s queries and keys by checkpoint_call.
+# the forward pass's activations: kept, layer_norm's float32 intermediates would take twice the
+# tokens' memory in every block, gelu's five more (B, T, 4D) tensors, DiT+'s normalisation and
+# rotation of queries and keys four more (B, T, D). DiTPlus recomputes each from its input instead.
 
-# f, recomputed in the backward pass from its inputs; one function per f, so that two models built
-# alike have equal graphdefs
+# f, recomputed in the backward pass; cached, so that two models built alike have equal graphdefs
 recomputed = functools.cache(jax.checkpoint)
 
 # What the backward pass recomputes instead of keeping, per block, under DiTPlus's `remat`. "dots"
 # keeps the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and
-# recomputes the norms, modulations, activations and attention from them: little extra compute for
-# half the memory of keeping everything (10 numbers per token and hidden unit instead of 20). "full"
-# keeps only each block's input and recomputes the whole block: a third more compute, for models
-# that fit no other way.
+# recomputes norms, modulations, activations and attention from them: little extra compute for half
+# the memory of keeping everything (10 numbers per token and hidden unit, not 20). "full" keeps only
+# each block's input and recomputes the block: a third more compute, for models too big otherwise.
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 
 
 def checkpoint_call(method, module, *args, remat):
-    """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (remat
-    None: kept). The module is split into its structure and its arrays, so that the call is a pure
-    function of arrays: nnx.remat's updates of the module fail under jax.lax.scan, where the
-    samplers call the model."""
+    """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (None:
+    kept). It calls a pure function of the module's arrays: nnx.remat's updates of the module fail
+    under jax.lax.scan, where the samplers call the model."""
     if remat is None:
         return method(module, *args)
     graphdef, state = nnx.split(module)
@@ -1230,15 +1203,13 @@ def compute_capability(device):
 
 
 def attention_implementation(dtype, head_dim, device=None):
-    """"cudnn" where cuDNN's fused flash attention runs: NVIDIA GPUs from Ampere on (compute
-    capability 8.0), 16-bit floats, head sizes that are multiples of 8 up to 128. It never builds
-    the (B, H, T, T) attention weights in memory. "xla" elsewhere (CPUs, TPUs, older GPUs, float32),
-    XLA's own attention, which the exactness tests check."""
+    """"cudnn" where cuDNN's fused flash attention runs, which never builds the (B, H, T, T)
+    weights: NVIDIA GPUs from Ampere on (compute capability 8.0), 16-bit floats, head sizes that
+    are multiples of 8 up to 128. "xla" elsewhere: XLA's own, which the exactness tests check."""
     device = device or jax.devices()[0]
-    if (device.platform == "gpu" and compute_capability(device) >= 8.0
-            and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128):
-        return "cudnn"
-    return "xla"
+    fused = (device.platform == "gpu" and compute_capability(device) >= 8.0
+             and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128)
+    return "cudnn" if fused else "xla"
 
 
 def matmul_precision(dtype):
@@ -1254,7 +1225,6 @@ def matmul_precision(dtype):
 #################################################################################
 # Official PyTorch checkpoints, read without torch, and safetensors files, read and written without
 # the safetensors package. Both name a parameter as PyTorch does.
-
 
 def flatten(tree):
     """{'blocks.0.attn.qkv.kernel': leaf, ...}: the arrays of a nested structure under their dotted
@@ -1363,9 +1333,8 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or a checkpoint of the official train.py, whose EMA weights are taken), read by load_torch. The
-    configuration is read from the weights' shapes unless `cfg` is given; keyword arguments go to
-    DiT."""
+    or the official train.py's, whose EMA weights are taken), read by load_torch; its configuration
+    from the weights' shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
@@ -1399,7 +1368,6 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 # vae.py, unets/unet_2d_blocks.py, resnet.py, attention_processor.py), in NHWC, with a loader for
 # the released weights that needs neither torch nor the safetensors package.
 
-
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
     """The fields of diffusers' AutoencoderKL config that shape the network; defaults: SD VAE."""
@@ -1417,8 +1385,7 @@ class VAEConfig:
         """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
         ignored, options this implementation does not build refused rather than ignored."""
         fix = "pass the config.json that came with the weights"
-        raw = read_json(path, lambda obj: isinstance(obj, dict), "a diffusers config (an object)",
-                        fix)
+        raw = read_json(path, lambda c: isinstance(c, dict), "a diffusers config (an object)", fix)
         required = {"_class_name": "AutoencoderKL", "act_fn": "silu", "use_quant_conv": True,
                     "use_post_quant_conv": True, "mid_block_add_attention": True,
                     "shift_factor": None, "latents_mean": None}
@@ -1431,14 +1398,11 @@ class VAEConfig:
             blocks = raw.get(key, [want])
             if not isinstance(blocks, list) or any(t != want for t in blocks):
                 raise InputError(f"{path}: {key}={blocks!r} is not supported (only {want})")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in raw.items() if k in fields}
-        channels = kw.get("block_out_channels", [1])
+        kw = {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
+        channels, scale = kw.get("block_out_channels", [1]), kw.get("scaling_factor", 1.0)
         sizes = [v for k, v in kw.items() if k not in ("block_out_channels", "scaling_factor")]
-        scale = kw.get("scaling_factor", 1.0)
-        if not (isinstance(channels, list) and all(type(v) is int and v > 0
-                                                   for v in sizes + channels)
-                and isinstance(scale, (int, float)) and scale > 0):
+        if not (isinstance(channels, list) and isinstance(scale, (int, float)) and scale > 0
+                and all(type(v) is int and v > 0 for v in sizes + channels)):
             raise InputError(f"{path}: the sizes in it are not positive whole numbers, or "
                              f"scaling_factor is not a positive number; {fix}")
         if "block_out_channels" in kw:
@@ -1522,8 +1486,7 @@ class VAEUpsample(nnx.Module):
         self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, H, W, C) -> (B, 2H, 2W, C)
-        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-        return self.conv(x)
+        return self.conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 
 class DownEncoderBlock(nnx.Module):
@@ -1565,9 +1528,7 @@ class VAEMidBlock(nnx.Module):
         self.attentions = nnx.List([VAEAttention(channels, groups, dtype=dtype, rngs=rngs)])
 
     def __call__(self, x):
-        x = self.resnets[0](x)
-        x = self.attentions[0](x)
-        return self.resnets[1](x)
+        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
 
 
 class VAEEncoder(nnx.Module):
@@ -1588,9 +1549,8 @@ class VAEEncoder(nnx.Module):
 
     def __call__(self, x):
         x = self.conv_in(x)
-        for block in self.down_blocks:
+        for block in [*self.down_blocks, self.mid_block]:
             x = block(x)
-        x = self.mid_block(x)
         return self.conv_out(nnx.silu(self.conv_norm_out(x)))
 
 
@@ -1621,26 +1581,21 @@ class VAEDecoder(nnx.Module):
 class AutoencoderKL(nnx.Module):
     """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar);
     DiT trains on z = (mean + exp(logvar / 2) * eps) * scaling_factor and samples
-    decode(z / scaling_factor).
-
-    `dtype` is the compute dtype of the convolutions and linear layers (bfloat16 to decode DiT's
-    bfloat16 samples); parameters, GroupNorm statistics and the outputs stay float32.
-    """
+    decode(z / scaling_factor). The convolutions and linear layers compute in `dtype` (bfloat16 to
+    decode DiT's bfloat16 samples); parameters, GroupNorm statistics and outputs stay float32."""
 
     def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
         self.encoder = VAEEncoder(cfg, dtype=dtype, rngs=rngs)
         self.decoder = VAEDecoder(cfg, dtype=dtype, rngs=rngs)
-        self.quant_conv = nnx.Conv(2 * cfg.latent_channels, 2 * cfg.latent_channels, (1, 1),
-                                   dtype=dtype, rngs=rngs)
-        self.post_quant_conv = nnx.Conv(cfg.latent_channels, cfg.latent_channels, (1, 1),
-                                        dtype=dtype, rngs=rngs)
+        latent = cfg.latent_channels
+        self.quant_conv = nnx.Conv(2 * latent, 2 * latent, (1, 1), dtype=dtype, rngs=rngs)
+        self.post_quant_conv = nnx.Conv(latent, latent, (1, 1), dtype=dtype, rngs=rngs)
 
     def _check(self, x, channels, what):
         if x.ndim != 4 or x.shape[-1] != channels:
             raise ValueError(f"AutoencoderKL.{what} expects NHWC input with {channels} channels, "
-                             f"got shape {tuple(x.shape)}; for NCHW arrays pass "
-                             f"x.transpose(0, 2, 3, 1)")
+                             f"got shape {tuple(x.shape)}; for NCHW pass x.transpose(0, 2, 3, 1)")
 
     def encode(self, x):
         """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each, float32."""
@@ -1662,13 +1617,9 @@ class AutoencoderKL(nnx.Module):
 #                          The released VAE's weights                           #
 #################################################################################
 
-SD_VAE_URL = "https://huggingface.co/stabilityai/sd-vae-ft-{}/resolve/main/{}"
-
-
 def vae_torch_names(model):
-    """{diffusers name: our name} of every parameter of our AutoencoderKL. The module tree mirrors
-    diffusers', so torch_name translates each; only diffusers' to_out, a ModuleList([Linear,
-    Dropout]), adds a level."""
+    """{diffusers name: our name} of our AutoencoderKL's parameters: torch_name's, as the module
+    tree mirrors diffusers', but for to_out, a ModuleList([Linear, Dropout]) in diffusers."""
     return {torch_name(name).replace("to_out.", "to_out.0."): name for name in named_params(model)}
 
 
@@ -1698,7 +1649,8 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     if source in ("ema", "mse"):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
-            dest, url = os.path.join(folder, fname), SD_VAE_URL.format(source, fname)
+            dest = os.path.join(folder, fname)
+            url = f"https://huggingface.co/stabilityai/sd-vae-ft-{source}/resolve/main/{fname}"
             if not os.path.exists(dest):
                 try:
                     download(url, dest)
@@ -1715,8 +1667,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
         found = [p for p in candidates if os.path.exists(p)]
         if not found:
             raise FileNotFoundError(f"{source} holds neither diffusion_pytorch_model.safetensors "
-                                    f"nor .bin; put the VAE weights there or pass the weight file "
-                                    f"itself")
+                                    f"nor .bin; put the VAE weights there or pass the weight file")
         weights, folder = found[0], source
     elif os.path.isfile(source):
         weights, folder = source, os.path.dirname(source)
@@ -1731,8 +1682,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
         tensors = load_torch(weights)
         if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, np.ndarray)
                                                   for k, v in tensors.items())):
-            raise InputError(f"{weights} does not hold a plain state dict of tensors, as diffusers "
-                             f"saves it")
+            raise InputError(f"{weights} holds no plain state dict of tensors, diffusers' format")
     # A config.json can ask for any number of layers; building them takes time and memory.
     if cfg.layers_per_block * len(cfg.block_out_channels) > len(tensors):
         raise InputError(f"{weights} holds {len(tensors)} tensors, too few for the VAE of {cfg}; "
