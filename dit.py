@@ -1695,22 +1695,19 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
 #                                    10. Data                                   #
 #################################################################################
 
-
 @dataclasses.dataclass
 class Dataset:
-    """A whole training set held in (or memory-mapped from) host memory, in one of two forms:
-    pixels, uint8 (N, H, W, C), or VAE latents as prepare_imagenet100.py writes them,
-    float16 (N, 2, h, w, 2*C): axis 1 is [image, its horizontal flip], the last axis
-    [posterior mean (C), posterior std (C)] in the raw latent space; the Loader draws
-    z = (mean + std * eps) * latent_scale afresh each time, as DiT's train.py does."""
+    """A whole training set in (or memory-mapped from) host memory: pixels, uint8 (N, H, W, C), or
+    VAE latents as prepare_imagenet100.py writes them, float16 (N, 2, h, w, 2*C): axis 1 is [image,
+    its horizontal flip], the last [posterior mean (C), posterior std (C)] of the raw latent; the
+    Loader draws z = (mean + std * eps) * latent_scale afresh each time, as DiT's train.py does."""
     name: str
     x: np.ndarray
     labels: np.ndarray | None  # int (N,); None for unconditional data
     num_classes: int  # 0 when unconditional
     class_names: list[str]
     latent_scale: float | None = None  # the VAE's scaling factor for latent data, None for pixels
-    # random horizontal flips in training; off for data that is not mirror-symmetric (digits)
-    flip: bool = True
+    flip: bool = True  # random horizontal flips in training; off if not mirror-symmetric (digits)
 
     def __post_init__(self):
         if self.labels is not None and len(self.labels) != len(self.x):
@@ -1729,9 +1726,8 @@ class Dataset:
 
     @functools.cached_property
     def sigma_data(self) -> float:
-        """The data's standard deviation, as EDM's preconditioning takes it: 0.5 for pixels in
-        [-1, 1], as Karras et al. take it; for latents, measured on up to 1,000 of them (the same
-        ones in every run)."""
+        """The data's standard deviation for EDM's preconditioning: 0.5 for pixels in [-1, 1] (as
+        Karras et al. take it); for latents, measured on up to 1,000 of them, the same every run."""
         if not self.is_latent:
             return 0.5
         rng = np.random.default_rng(0)
@@ -1742,9 +1738,8 @@ class Dataset:
     @property
     def input_shape(self) -> tuple[int, int, int]:
         """(H, W, C) of one model input: the image, or a sampled latent (half the channels)."""
-        if self.is_latent:
-            _, _, h, w, c2 = self.x.shape
-            return (h, w, c2 // 2)
+        if self.is_latent:  # x is (N, 2, h, w, 2C)
+            return (*self.x.shape[2:4], self.x.shape[4] // 2)
         return tuple(self.x.shape[1:])
 
     def inputs(self, idx, flip, eps=None):
@@ -1759,9 +1754,8 @@ class Dataset:
         else:
             x = np.asarray(self.x[idx], np.float32) / 127.5 - 1.0  # (B, H, W, C)
             x[flip] = x[flip, :, ::-1]
-        y = (np.zeros(len(idx), np.int32) if self.labels is None
-             else np.asarray(self.labels[idx], np.int32))
-        return x, y
+        y = np.zeros(len(idx)) if self.labels is None else self.labels[idx]
+        return x, np.asarray(y, np.int32)
 
 
 def hold_out(n, k):
@@ -1776,31 +1770,21 @@ def default_data_dir(name: str) -> str:
     return os.path.join(default_cache_dir(), "datasets", name)
 
 
-def _check_resolution(name: str, native: int, resolution: int | None):
-    if resolution not in (None, native):
-        raise InputError(f"{name} images are {native}x{native} and train at that size; leave the "
-                         f"resolution unset, or export the images to a folder and use the 'folder' "
-                         f"dataset to resize them")
-
-
 #################################################################################
 #                                     MNIST                                     #
 #################################################################################
 
 _MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
-_MNIST_MD5 = {  # published with the mirror (torchvision's datasets/mnist.py lists the same)
+_MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's mnist.py lists them
     "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
-    "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
-    "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
 }
 
 
 def _find_idx(data_dir: str, stem: str) -> str | None:
-    for name in (stem, stem + ".gz"):
-        if os.path.exists(os.path.join(data_dir, name)):
-            return os.path.join(data_dir, name)
-    return None
+    """The IDX file data_dir/stem, plain or gzipped; None if neither is there."""
+    path = os.path.join(data_dir, stem)
+    return next((p for p in (path, path + ".gz") if os.path.exists(p)), None)
 
 
 def _load_mnist(data_dir: str) -> Dataset:
@@ -1811,10 +1795,9 @@ def _load_mnist(data_dir: str) -> Dataset:
         if images and labels:
             break
     else:
-        for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
-            download(_MNIST_URL + name, os.path.join(data_dir, name), _MNIST_MD5[name], "md5")
-        images, labels = (os.path.join(data_dir, f"train-{kind}-ubyte.gz")
-                          for kind in ("images-idx3", "labels-idx1"))
+        for name, md5 in _MNIST_MD5.items():
+            download(_MNIST_URL + name, os.path.join(data_dir, name), md5, "md5")
+        images, labels = (os.path.join(data_dir, name) for name in _MNIST_MD5)
     x, y = read_idx(images), read_idx(labels)
     if "t10k" in os.path.basename(images):
         print(f"note: {data_dir} holds only the MNIST test set; training on its {len(x):,} digits")
@@ -1840,9 +1823,8 @@ _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 
 def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
-    """(where they are, {name: batch}) of the five training batches and batches.meta, from the
-    extracted cifar-10-batches-py/ when present, otherwise from cifar-10-python.tar.gz (read in
-    one pass, without extracting), downloaded first if missing."""
+    """(where, {name: batch}) of the five training batches and batches.meta, from an extracted
+    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing)."""
     for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(folder, "data_batch_1")):
             found = {}
@@ -1890,8 +1872,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
                 and all(type(label) is int and 0 <= label <= 9 for label in labels)):
             raise InputError(f"{where}: {name} has {len(data)} images but its labels are not "
                              f"{len(data)} classes in 0-9")
-        # rows are channel-major: (n, C, H, W) -> NHWC
-        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))  # channel-major rows -> NHWC
         ys.append(np.asarray(labels))
     names = found["batches.meta"].get("label_names")
     if not (isinstance(names, list) and len(names) == 10
@@ -1912,21 +1893,18 @@ IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".t
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
     with a BOX filter while the short side is at least twice the target (cheap and alias-free),
-    BICUBIC-resize so the short side equals image_size, then cut the central square. Returns uint8
-    (S, S, 3)."""
+    BICUBIC-resize the short side to image_size, then cut the central square: uint8 (S, S, 3)."""
     if not (isinstance(image_size, (int, np.integer)) and image_size > 0):
         raise ValueError(f"image_size must be a positive int, got {image_size!r}")
     # RGB first, as DiT's loader converts; PIL would otherwise resize palette images NEAREST
-    if pil_image.mode != "RGB":
-        pil_image = pil_image.convert("RGB")
+    pil_image = pil_image.convert("RGB")
     while min(*pil_image.size) >= 2 * image_size:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
     scale = image_size / min(*pil_image.size)
     pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size),
                                  resample=Image.BICUBIC)
     arr = np.asarray(pil_image)  # (H, W, 3), short side == image_size
-    top = (arr.shape[0] - image_size) // 2
-    left = (arr.shape[1] - image_size) // 2
+    top, left = ((side - image_size) // 2 for side in arr.shape[:2])
     return arr[top:top + image_size, left:left + image_size]
 
 
@@ -1935,10 +1913,9 @@ def _is_image(path: str) -> bool:
 
 
 def load_image(path, size=None):
-    """Decode any file PIL understands (the format is read from the content, so a PNG named .JPEG
-    works), as RGB, centre-cropped to size x size when a size is given.
-    Returns (uint8 (H, W, 3), None), or (None, reason) for a broken file, so that one bad image is
-    reported rather than fatal (here and in prepare_imagenet100.py)."""
+    """Decode any file PIL reads (by its content, so a PNG named .JPEG works) as RGB, centre-cropped
+    to size x size if a size is given: (uint8 (H, W, 3), None), or (None, reason) for a broken file,
+    so that one bad image is reported rather than fatal (here and in prepare_imagenet100.py)."""
     try:
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not halfway through the crop
@@ -1948,9 +1925,8 @@ def load_image(path, size=None):
 
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
-    """Every image under data_dir: one sub-folder per class (labels follow the sorted folder names),
-    or the images directly in data_dir for unconditional training. Centre-cropped as ADM/DiT do when
-    a resolution is given."""
+    """Every image under data_dir, centre-cropped as ADM/DiT do if a resolution is given: one
+    sub-folder per class (labels follow the sorted names), or all loose in data_dir, unlabelled."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"image folder {data_dir} does not exist")
     entries = sorted(e for e in os.listdir(data_dir) if not e.startswith("."))
@@ -1977,6 +1953,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
                          f"directly nor in class sub-folders")
 
     x, kept, broken = None, [], []
+    crop = "pass a resolution (--resolution) to centre-crop every image to one size"
     pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))  # PIL releases the GIL while decoding
     try:
         decoded = pool.map(lambda path: load_image(path, resolution), files)
@@ -1988,14 +1965,11 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
             if x is None:
                 if arr.shape[0] != arr.shape[1]:
                     raise InputError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]}, not square; "
-                                     f"pass a resolution (--resolution) to centre-crop every image "
-                                     f"to that size")
+                                     f"{crop}")
                 x = np.empty((len(files),) + arr.shape, np.uint8)  # (N, H, W, 3)
             elif arr.shape != x.shape[1:]:
                 raise InputError(f"{files[i]} is {arr.shape[1]}x{arr.shape[0]} but "
-                                 f"{files[kept[0]]} is {x.shape[2]}x{x.shape[1]}; pass a "
-                                 f"resolution (--resolution) to centre-crop every image to one "
-                                 f"size")
+                                 f"{files[kept[0]]} is {x.shape[2]}x{x.shape[1]}; {crop}")
             x[len(kept)] = arr
             kept.append(i)
     finally:  # on an error, do not decode the rest of a large folder first
@@ -2022,12 +1996,10 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"no prepared ImageNet-100 at {data_dir}: {hint}")
     path = lambda name: os.path.join(data_dir, name)  # noqa: E731
-    missing = [n for n in ("labels.npy", "classes.json", "manifest.json")
-               if not os.path.exists(path(n))]
-    has_latents, has_images = (os.path.exists(path("latents.npy")),
-                               os.path.exists(path("images.npy")))
-    if not (has_latents or has_images):
-        missing.insert(0, "latents.npy (or images.npy)")
+    has_latents, has_images = (os.path.exists(path(n)) for n in ("latents.npy", "images.npy"))
+    missing = [] if has_latents or has_images else ["latents.npy (or images.npy)"]
+    missing += [n for n in ("labels.npy", "classes.json", "manifest.json")
+                if not os.path.exists(path(n))]
     if missing:
         raise FileNotFoundError(f"{data_dir} lacks {', '.join(missing)}: {hint}")
     if has_latents and has_images:
@@ -2054,8 +2026,8 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
             raise InputError(f"{path(name)} is not a readable .npy file ({e}); {fix}") from None
 
     labels = memmap("labels.npy")
+    x = memmap("latents.npy" if has_latents else "images.npy")
     if has_latents:
-        x = memmap("latents.npy")
         if x.dtype != np.float16 or x.ndim != 5 or x.shape[1] != 2 or x.shape[-1] % 2:
             raise InputError(f"{path('latents.npy')} is {x.dtype} {x.shape}, not float16 "
                              f"(N, 2, h, w, 2*C); {fix}")
@@ -2063,7 +2035,6 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
             raise InputError(f"{path('manifest.json')} lacks the VAE's scaling_factor; {fix}")
         latent_scale, stored = float(manifest["scaling_factor"]), manifest.get("resolution")
     else:
-        x = memmap("images.npy")
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or x.shape[1] != x.shape[2]:
             raise InputError(f"{path('images.npy')} is {x.dtype} {x.shape}, not uint8 "
                              f"(N, R, R, 3); {fix} --pixels R")
@@ -2084,20 +2055,22 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
 #################################################################################
 
 def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
-    """Load one of mnist, cifar10, folder or imagenet100. data_dir defaults to
-    default_data_dir(name) (required for 'folder'); resolution crops a folder's images and must
-    match what the other datasets hold."""
+    """Load mnist, cifar10, folder or imagenet100 from data_dir (default: default_data_dir(name);
+    required for 'folder'); resolution crops a folder's images, and must be the others' own size."""
     if name == "folder":
         if data_dir is None:
             raise InputError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
                              "images, with one sub-folder per class or none")
         return _load_folder(data_dir, resolution)
     data_dir = data_dir or default_data_dir(name)
+    native = {"mnist": 28, "cifar10": 32}.get(name)  # the size of all their images
+    if native and resolution not in (None, native):
+        raise InputError(f"{name} images are {native}x{native} and train at that size; leave the "
+                         f"resolution unset, or export the images to a folder and use the 'folder' "
+                         f"dataset to resize them")
     if name == "mnist":
-        _check_resolution("mnist", 28, resolution)
         return _load_mnist(data_dir)
     if name == "cifar10":
-        _check_resolution("cifar10", 32, resolution)
         return _load_cifar10(data_dir)
     if name == "imagenet100":
         return _load_imagenet100(data_dir, resolution)
@@ -2111,12 +2084,11 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
 class Loader:
     """Endless stream of this process's share of each global batch, computed ahead by threads.
 
-    Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch is shuffled by
-    default_rng((seed, e)), and the random choices of step s (flips, latent noise) come from
-    default_rng((seed, s, 1)) drawn for the whole global batch before this process takes its slice.
-    So a run resumed at any step sees exactly the batches it would have seen, k processes together
-    see what one process would, and batches can be computed in parallel without changing the
-    stream. `subset` (default: all) are the dataset indices to draw from: those not held out."""
+    Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch shuffles
+    `subset` (the indices to draw from; default: all) with default_rng((seed, e)); step s's flips
+    and latent noise come from default_rng((seed, s, 1)), drawn for the whole global batch before
+    this process takes its slice. So a resumed run sees the batches it would have seen, k processes
+    together see what one would, and threads compute batches in parallel without changing them."""
 
     def __init__(self, ds: Dataset, global_batch: int, seed: int, start_step: int = 0,
                  process_index: int = 0, process_count: int = 1, prefetch: int = 2, subset=None):
@@ -2135,12 +2107,9 @@ class Loader:
         self.ds, self.global_batch, self.seed, self.start_step = ds, global_batch, seed, start_step
         local = global_batch // process_count
         self.local_slice = slice(process_index * local, (process_index + 1) * local)
-        # the last partial batch of each epoch is dropped
-        self.steps_per_epoch = len(self.subset) // global_batch
-        self.prefetch = prefetch
-        # (epoch, its permutation), replaced as one tuple so threads never see a mix
-        self._perm = (None, None)
-        self._pool, self._closed = None, False
+        self.steps_per_epoch = len(self.subset) // global_batch  # the last partial batch is dropped
+        self._perm = (None, None)  # (epoch, its permutation): one tuple, so threads never see a mix
+        self.prefetch, self._pool, self._closed = prefetch, None, False
 
     def indices(self, step: int) -> np.ndarray:
         """Dataset indices of the whole global batch of this step. (G,)"""
@@ -2156,12 +2125,11 @@ class Loader:
         """This process's (x, y) of one step, as Dataset.inputs makes them."""
         ds, G, local = self.ds, self.global_batch, self.local_slice
         rng = np.random.default_rng((self.seed, step, 1))
-        no_flips, eps = np.zeros(G, bool), None
+        flip, eps = np.zeros(G, bool), None
+        if ds.flip:
+            flip = rng.integers(0, 2, G).astype(bool) if ds.is_latent else rng.random(G) < 0.5
         if ds.is_latent:
-            flip = rng.integers(0, 2, G).astype(bool) if ds.flip else no_flips
             eps = rng.standard_normal((G, *ds.input_shape), dtype=np.float32)[local]
-        else:
-            flip = (rng.random(G) < 0.5) if ds.flip else no_flips
         return ds.inputs(self.indices(step)[local], flip[local], eps)
 
     def __iter__(self):
@@ -2195,7 +2163,6 @@ class Loader:
 
 
 #################################################################################
-#################################################################################
 #                                11. Checkpoints                                #
 #################################################################################
 
@@ -2207,9 +2174,8 @@ def to_host(x):
 
 
 def write_atomically(path, write):
-    """Write a file so that a crash at any instant leaves either the old file or the new one, whole:
-    write a temporary file, flush it to disk, rename it over the target, and flush the directory.
-    A write that fails (a full disk) removes its temporary file."""
+    """Write a file so that a crash at any instant leaves either the old file or the new one, whole;
+    a write that fails (a full disk) removes its temporary file."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -2229,12 +2195,10 @@ def write_atomically(path, write):
 
 
 def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
-    """Save the whole training state as checkpoints/step_XXXXXXX.npz, keep the newest `keep`, and
-    return its path. Process 0 writes it; where the hosts have no disk in common (open_run), every
-    process writes its own copy. A checkpoint that cannot be written (a full disk, a read-only
-    folder) stops every process with one line, and the ones before stay whole."""
-    # every process joins the gather
-    arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}
+    """Save the training state as checkpoints/step_XXXXXXX.npz, keep the newest `keep`, return its
+    path. Process 0 writes it (or each process, where hosts share no disk: open_run). A failed write
+    (full disk, read-only folder) stops all processes with one line; older ones stay whole."""
+    arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}  # every process joins
     step = int(arrays["step"])
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     path = os.path.join(ckpt_dir, f"step_{step:07d}.npz")
@@ -2255,16 +2219,14 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
             failure = e.strerror or str(e)
     # Every process learns whether every copy is whole, before any older one is deleted (so that
     # the hosts always have a checkpoint in common) and before any goes on alone.
-    failed = [failure is not None]
-    if jax.process_count() > 1:
-        failed = multihost_utils.process_allgather(np.int32(failure is not None))
+    failed = (multihost_utils.process_allgather(np.int32(failure is not None))
+              if jax.process_count() > 1 else [failure is not None])
     if failure:
         free = "" if free is None else f", {free / 1e6:,.1f} MB free"
-        before = [os.path.basename(p) for p in list_checkpoints(run_dir)]
+        before = [os.path.basename(p) for p in list_checkpoints(run_dir)] or ["the start"]
         raise InputError(f"cannot write the checkpoint of step {step} in {ckpt_dir} ({failure}): "
                          f"it needs {needs / 1e6:,.1f} MB{free}; make room there (--keep N keeps "
-                         f"fewer), then run the same command to continue from "
-                         f"{before[-1] if before else 'the start'}")
+                         f"fewer), then run the same command to continue from {before[-1]}")
     if any(failed):
         raise InputError(f"process {int(np.argmax(failed))} could not write the checkpoint of step "
                          f"{step}; its message says why")
@@ -2277,15 +2239,13 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
 def list_checkpoints(run_dir):
     """Finished checkpoints, oldest first (not the temporary files of an interrupted save)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted(os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir)
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    return sorted(os.path.join(ckpt_dir, f) for f in names
                   if f.startswith("step_") and f.endswith(".npz"))
 
 
 def read_checkpoint(path):
-    """(metadata, arrays) of a checkpoint, read by read_npz: no pickle, and no size that the
-    file claims is believed before it is checked against the file."""
+    """(metadata, arrays) of a checkpoint via read_npz: no pickle, and no size taken on trust."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
         arrays = read_npz(path)
@@ -2306,8 +2266,7 @@ def restore_state(arrays, abstract_state, shardings, what):
     names = flatten(abstract_state)
     missing = sorted(set(names) - set(arrays))
     if missing:
-        raise InputError(f"{what} lacks {missing[:3]}...: it was written for another model or "
-                         f"optimizer")
+        raise InputError(f"{what} lacks {missing[:3]}...: it is from another model or optimizer")
     leaves = []
     for (name, like), sharding in zip(names.items(), jax.tree.leaves(shardings)):
         if arrays[name].shape != like.shape or arrays[name].dtype.kind not in "fiu":
