@@ -2301,12 +2301,11 @@ def export_ema(ckpt_path, out_path):
 #                              12. The training loop                            #
 #################################################################################
 
-# What `python dit.py --dataset NAME` trains when no other option is given. ImageNet-100 takes the
-# paper's DiT-S/2 setup (32x32x4 latents, batch 256, lr 1e-4, EMA 0.9999) for 400K steps, with the
-# default objective, rectified flow (`--objective ddpm` for the paper's DDPM). MNIST is the demo
-# that `python dit.py` runs on a CPU in minutes, chosen by measurement (README, Quickstart): at
-# this budget many small steps of a narrow model beat a few large ones of DiT-T; the learning rate
-# is 20x DiT's, and the EMA warms up, so that the grids show trained weights from the first one.
+# What `python dit.py --dataset NAME` trains by default. ImageNet-100: the paper's DiT-S/2 setup
+# (32x32x4 latents, batch 256, lr 1e-4, EMA 0.9999), 400K steps, rectified flow (`--objective ddpm`:
+# the paper's DDPM). MNIST, the CPU demo `python dit.py` runs in minutes, was tuned by measurement
+# (README, Quickstart): at this budget many small steps of a narrow model beat a few large ones of
+# DiT-T; lr 20x DiT's and an EMA warm-up make the first grid show trained weights.
 RECIPES = {
     "imagenet100": dict(size="S", patch=2, batch_size=256, lr=1e-4, ema_decay=0.9999,
                         ema_warmup=False, steps=400_000, log_every=100, ckpt_every=10_000,
@@ -2321,8 +2320,7 @@ RECIPES = {
                   steps=1_800, log_every=50, ckpt_every=600, sample_every=200, final_fid=0),
 }
 
-# The steps that `train --profile` traces, counted from the first step this process runs, which
-# compiles the training step: the trace shows the steps that follow, not the compilation.
+# Steps that `train --profile` traces, counted from the first this process runs (which compiles).
 PROFILE_STEPS = range(10, 15)
 
 
@@ -2346,19 +2344,17 @@ class StepTrace:
                 jax.profiler.stop_trace()
 
 
-# With several processes, the steps after which they agree whether to stop: the all-reduce of one
-# flag waits for the step in flight, which would otherwise overlap the next step's dispatch. One
-# process checks after every step.
+# The interval at which processes agree whether to stop: a flag's all-reduce waits for the step in
+# flight, which would otherwise overlap the next one's dispatch. A lone process checks every step.
 STOP_CHECK_EVERY = 10
 
 
 class Stop:
     """A stop after a whole step, with a checkpoint, on Ctrl-C (SIGINT, also a notebook's stop
-    button), SIGTERM (sent to a preempted TPU VM, or a notebook session that ends) or --time-limit
-    SECONDS after the start. Signal handlers are installed only inside `with Stop(...)` and the
-    previous ones put back after, as a notebook calls main() many times; a second Ctrl-C stops at
-    once. Called from a thread other than the main one, where Python takes no signal handlers, only
-    the time limit stops a run."""
+    button), SIGTERM (sent to a preempted TPU VM, or at a notebook session's end) or --time-limit
+    SECONDS after the start. Signal handlers are installed only inside `with Stop(...)`, then the
+    previous ones put back, as a notebook calls main() many times; a second Ctrl-C stops at once.
+    Off the main thread, where Python takes no signal handlers, only the time limit stops a run."""
 
     def __init__(self, time_limit):
         self.start = time.monotonic()
@@ -2412,9 +2408,8 @@ RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
 
 def setup_distributed(args):
     """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id,
-    or from the environment where a launcher started several processes (a SLURM or Open MPI job of
-    more than one task, a TPU pod slice that names its hosts in TPU_WORKER_HOSTNAMES), which JAX
-    reads."""
+    or from the environment, which JAX reads, where a launcher started several processes (a SLURM or
+    Open MPI job of several tasks, a TPU pod slice that names its hosts in TPU_WORKER_HOSTNAMES)."""
     launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1
                 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
                 or os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost")
@@ -2432,8 +2427,7 @@ def check_batch_size(batch_size):
 
 
 def model_config(args, input_size, in_channels, num_classes):
-    """The DiTConfig of the model options (model_options, the switches resolved by main) for inputs
-    of this shape."""
+    """The DiTConfig of model_options' options (switches resolved by main) for this input."""
     with flag(f"--patch {args.patch}"):
         return dit_config(f"{args.size}/{args.patch}", input_size=input_size,
                           in_channels=in_channels, num_classes=num_classes,
@@ -2458,12 +2452,10 @@ def default_precision(device=None):
     return "bf16"
 
 
-# What the training loop adds to the core's training step (section 6): loss scaling for float16, and
-# the loss by noise level.
+# What the loop adds to section 6's training step: float16 loss scaling, the loss by noise level.
 
 def loss_scale_state(dtype):
-    """The state of the loss scaling that a float16 model's training adds to its state; none for
-    other dtypes."""
+    """The loss scaling state that a float16 model's training adds to its state; none otherwise."""
     if dtype != jnp.float16:
         return {}
     return {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
@@ -2471,9 +2463,8 @@ def loss_scale_state(dtype):
 
 def scaled_grad(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux. A float16
-    state's loss is multiplied by its loss scale before the backward pass, and the gradients
-    divided by it after: float16's smallest normal number is 6e-5, and the small gradients of
-    training would round to zero unless the loss is scaled up first."""
+    state multiplies its loss by its loss scale before the backward pass and divides the gradients
+    by it after: float16's smallest normal number is 6e-5; small gradients would round to zero."""
     scale = state.get("loss_scale", 1.0)
 
     def scaled(params):
@@ -2495,17 +2486,15 @@ def update_loss_scale(state, new_state, finite, period=2000):
     return keep | {"loss_scale": scale, "good_steps": good % period}
 
 
-# The training loss is also logged by noise level, the objective's level in [0, 1], in this many
-# equal ranges: where the model is weak.
+# The loss is also logged over this many equal ranges of noise level: where the model is weak.
 LOSS_BINS = 4
 
 
 def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False, masking=None):
-    """The core's training step (make_train_step) as the training loop runs it: a float16 state
-    scales its loss (scaled_grad), and a step whose gradients overflowed is skipped
-    (update_loss_scale), with the scale and the skip in the metrics; the per-sample losses become
-    their sums and counts in each of the LOSS_BINS ranges of the noise level. With `masking` (a
-    DeferredMasking), the losses are its."""
+    """The core's training step (make_train_step) as training runs it: a float16 state scales its
+    loss (scaled_grad), and a step whose gradients overflowed is skipped (update_loss_scale), with
+    the scale and the skip in the metrics; the per-sample losses become sums and counts per
+    LOSS_BINS range of noise level. With `masking` (a DeferredMasking), the losses are its."""
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
                                 gradient=scaled_grad, batch_losses=masking or batch_losses)
 
@@ -2525,42 +2514,36 @@ def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False
 
 
 def architecture(args):
-    """The model's switches (qk_norm, rms_norm, swiglu, rope) from --arch, each overridden by its
-    own option when given (--no-rope, --swiglu, ...), for ablations."""
+    """--arch's switches (qk_norm, rms_norm, swiglu, rope), each overridable by its own option."""
     return {k: on if getattr(args, k) is None else getattr(args, k)
             for k, on in ARCHS[args.arch].items()}
 
 
 def make_mesh():
-    """A 1-D mesh over every device of every host, axis "data". Auto axes: jit's partitioner decides
-    how each intermediate is laid out from the shardings of the inputs and outputs."""
+    """A 1-D mesh "data" over all hosts' devices; with Auto axes, jit lays out intermediates."""
     return jax.make_mesh((jax.device_count(),), ("data",),
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def fsdp_spec(shape, n):
-    """Shard an array over the mesh's one axis along its largest dimension that n devices divide
-    (FSDP / ZeRO-3 style); replicate it when none does (biases of odd size, scalars)."""
-    dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n),
-                  key=lambda d: -shape[d])
-    if not dims:
-        return P()
-    return P(*[("data" if d == dims[0] else None) for d in range(len(shape))])
-
-
 def state_shardings(abstract_state, mesh, fsdp):
-    """Data parallel: every device holds the whole state. FSDP: parameters, EMA and Adam moments are
-    split over the devices, and jit's partitioner gathers each layer's weights when it needs
-    them."""
+    """Data parallel: every device holds the whole state. FSDP (ZeRO-3): parameters, EMA and Adam
+    moments are split, each array along its largest dimension that the devices divide (else
+    replicated: odd biases, scalars); jit's partitioner gathers a layer's weights when needed."""
     n = mesh.devices.size
-    return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_spec(a.shape, n) if fsdp else P()),
-                        abstract_state)
+
+    def spec(shape):
+        dims = [d for d, size in enumerate(shape) if size % n == 0 and size >= n]
+        if not (fsdp and dims):
+            return P()
+        largest = max(dims, key=lambda d: shape[d])
+        return P(*[("data" if d == largest else None) for d in range(len(shape))])
+
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec(a.shape)), abstract_state)
 
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
-    """(graphdef, state, shardings): the training state created directly in its shardings, so that a
-    model too large for one device is never whole on one; or, given a checkpoint path, read from it
-    (without initialising first, which would need the memory twice)."""
+    """(graphdef, state, shardings): the training state made in its shardings, never whole on one
+    device (a model may not fit), or read from `checkpoint` without initialising (2x memory)."""
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
@@ -2576,8 +2559,7 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
 
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
                    masking=None):
-    """make_harness_step compiled for the mesh: the state keeps its shardings (and its buffers are
-    reused for the next state), the batch is split over the devices."""
+    """make_harness_step jitted for the mesh: the state keeps its shardings, the batch is split."""
     batch = NamedSharding(mesh, P("data"))
     return jax.jit(make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup, masking),
                    in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
@@ -2585,8 +2567,7 @@ def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, s
 
 
 def deferred_masking(args, cfg):
-    """The DeferredMasking of --mask-ratio and --mixer-depth for a model of configuration cfg; None
-    without masking."""
+    """The DeferredMasking of --mask-ratio and --mixer-depth for the model of cfg, or None."""
     if not args.mask_ratio:
         return None
     if not 0 < args.mask_ratio < 1:
@@ -2598,23 +2579,11 @@ def deferred_masking(args, cfg):
     return DeferredMasking(args.mask_ratio, args.mixer_depth)
 
 
-def train_steps(args, cfg, graphdef, objective, tx, mesh, shardings):
-    """step -> the compiled training step for that step: deferred masking's before --unmask-at,
-    the step on every patch after it (and throughout without masking). Each compiles when first
-    called."""
-    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
-                                    args.seed, mesh, shardings, masking)
-                     for masking in (deferred_masking(args, cfg), None))
-    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
-    return lambda step: masked if step < unmask_at else whole
-
-
 def open_run(args, cfg, ds, objective):
-    """(checkpoint to resume from or None, the run's metadata for its checkpoints, whether each host
-    keeps its own copy of the run directory), with the run directory made ready: a new one records
-    the run's defining settings; an existing one must hold the same run, and the temporary files
-    of a save that a crash interrupted are deleted. The data order follows from the dataset's size,
-    so a dataset that changed could not resume exactly."""
+    """(checkpoint to resume from or None, metadata for the run's checkpoints, whether each host
+    keeps its own run directory), with the run directory ready: a new one records the run's defining
+    settings; an existing one must hold the same run (the data order depends on the dataset's size:
+    a changed dataset could not resume exactly); a crashed save's temporary files are deleted."""
     masking = deferred_masking(args, cfg)
     settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds),
                 "num_classes": ds.num_classes,
@@ -2648,8 +2617,7 @@ def open_run(args, cfg, ds, objective):
     writes = local_disks or jax.process_index() == 0
     if writes and not os.path.exists(path):
         write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
-    # Agreed before restoring, which is itself collective: hosts restoring different files would
-    # never meet.
+    # Agreed before restoring, itself collective: hosts restoring different files would never meet.
     checkpoint = agree_on_checkpoint(args.run_dir, checkpoint, args.resume in (None, "latest"))
     ckpt_dir = os.path.join(args.run_dir, "checkpoints")
     if writes and os.path.isdir(ckpt_dir):
@@ -2660,11 +2628,9 @@ def open_run(args, cfg, ds, objective):
 
 
 def run_dir_is_shared(run_dir):
-    """Whether every process sees the same run directory (one host, or a filesystem that the hosts
-    share) rather than a folder of the same name on each host's own disk, as on a TPU pod slice
-    whose hosts keep to their local disks. Process 0 writes a file of a random name there and the
-    others look for it; writing it also finds a folder that cannot be written now rather than at
-    the first checkpoint."""
+    """Whether all processes see one run directory (one host, or a filesystem the hosts share), not
+    a folder of that name on each host's disk (a TPU pod slice's). Process 0 writes a randomly named
+    file there for the others to find, which also finds an unwritable folder at once."""
     # process 0's random name: a probe that a crashed run left behind is not taken for this one's
     token = np.random.default_rng().integers(2**31, dtype=np.int32)
     token = multihost_utils.broadcast_one_to_all(token)
@@ -2690,10 +2656,9 @@ def run_dir_is_shared(run_dir):
 
 
 def agree_on_checkpoint(run_dir, checkpoint, automatic):
-    """The checkpoint that every process resumes from, given the one each found. Where each host has
-    its own disk, a save that a crash interrupted may have finished on some hosts and not on the
-    others: they go back to the newest checkpoint that all have, which save_checkpoint keeps until
-    every host has the next."""
+    """The checkpoint every process resumes from, given the one each found. Where each host has its
+    own disk, a save that a crash interrupted may have finished on some hosts only: they go back to
+    the newest checkpoint that all have, kept by save_checkpoint until all hosts have the next."""
     if jax.process_count() == 1:
         return checkpoint
     name = os.path.basename(checkpoint or "")
@@ -2715,10 +2680,8 @@ def agree_on_checkpoint(run_dir, checkpoint, automatic):
 
 
 class TensorBoard:
-    """The records of metrics.jsonl and the sample grids as TensorBoard event files in
-    RUN_DIR/tensorboard (`%tensorboard --logdir runs` in a notebook), through the tensorboard
-    package, which Colab and Kaggle ship, when it is installed; without it, one line says so and
-    metrics.jsonl holds the same figures."""
+    """metrics.jsonl's records and grids as TensorBoard events in RUN_DIR/tensorboard, by the
+    tensorboard package (in Colab and Kaggle; view: `%tensorboard --logdir runs`), else a note."""
 
     def __init__(self, run_dir, start):
         try:
@@ -2731,44 +2694,38 @@ class TensorBoard:
             return
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.writer = EventFileWriter(os.path.join(run_dir, "tensorboard"))
-        # A resumed run: TensorBoard drops what an earlier process logged after `start` (from the
-        # step of this event on), as MetricsLog drops it from metrics.jsonl.
+        # A resume: TensorBoard drops what was logged from this event's step on, as MetricsLog does.
         start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
         self.writer.add_event(self.event(wall_time=time.time(), step=start + 1,
                                          session_log=start_log))
 
-    def write(self, step, values):
-        if self.writer:
-            self.writer.add_event(self.event(wall_time=time.time(), step=step,
-                                             summary=self.summary(value=values)))
-            self.writer.flush()
+    def write(self, step, values):  # from scalars and image, which check for a writer
+        self.writer.add_event(self.event(wall_time=time.time(), step=step,
+                                         summary=self.summary(value=values)))
+        self.writer.flush()
 
     def scalars(self, record):
         """One scalar per number of the record; a nested figure (loss_t) as "loss_t/0.00-0.25"."""
         if self.writer:
-            flat = {}
-            for key, value in record.items():
-                for name, v in (value.items() if isinstance(value, dict) else [(None, value)]):
-                    if isinstance(v, (int, float)) and key != "step":
-                        flat[key if name is None else f"{key}/{name}"] = float(v)
-            self.write(record["step"], [self.summary.Value(tag=k, simple_value=v)
-                                        for k, v in flat.items()])
+            flat = {key if name is None else f"{key}/{name}": v for key, value in record.items()
+                    for name, v in (value.items() if isinstance(value, dict) else [(None, value)])}
+            self.write(record["step"], [self.summary.Value(tag=k, simple_value=float(v))
+                                        for k, v in flat.items()
+                                        if isinstance(v, (int, float)) and k != "step"])
 
     def image(self, step, grid):
         if self.writer:
             png = io.BytesIO()
             grid.save(png, format="PNG")
-            image = self.summary.Image(height=grid.height, width=grid.width,
-                                       colorspace=len(grid.getbands()),
-                                       encoded_image_string=png.getvalue())
+            image = self.summary.Image(encoded_image_string=png.getvalue(), height=grid.height,
+                                       width=grid.width, colorspace=len(grid.getbands()))
             self.write(step, [self.summary.Value(tag="samples", image=image)])
 
 
 class MetricsLog:
-    """metrics.jsonl of a run, one JSON record per line, written by process 0. A run resumed at
-    `start` first drops the records of later steps (and a line a crash cut short), so each step
-    appears once. Reading a loss waits for the device, so the metrics of each step stay on the
-    device until the end of the logging interval."""
+    """A run's metrics.jsonl, one JSON record per line, written by process 0. A run resumed at
+    `start` first drops later steps' records (and a line a crash cut short), so each step appears
+    once. Reading a loss waits for the device, so the metrics stay there until the interval ends."""
 
     def __init__(self, run_dir, start, batch_size, schedule):
         self.path, self.batch_size, self.schedule = (os.path.join(run_dir, "metrics.jsonl"),
@@ -2782,11 +2739,10 @@ class MetricsLog:
             with open(self.path, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     try:
-                        record = json.loads(line)
-                    except (ValueError, RecursionError):
+                        step = json.loads(line).get("step")
+                    except (ValueError, RecursionError, AttributeError):  # AttributeError: no dict
                         continue
-                    if (isinstance(record, dict) and isinstance(record.get("step"), int)
-                            and record["step"] <= start):
+                    if isinstance(step, int) and step <= start:
                         kept.append(line)
             write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
 
@@ -2797,14 +2753,10 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
             self.board.scalars(record)
 
-    def add(self, metrics):
-        self.pending.append(metrics)
-
     def flush(self, done):
-        """Write the record of the steps since the last one, which ends at step `done`: the mean
-        loss, and its mean over each range of t ("loss_t"), where the model is weak. Stop the run if
-        a loss or gradient was not finite (float16 excepted, whose loss scaling skips the steps
-        whose gradients overflowed)."""
+        """Write the record of the steps since the last, up to step `done`: the mean loss, and its
+        mean over each range of t ("loss_t"), where the model is weak. Stop the run at a non-finite
+        loss or gradient, but for the overflowed steps that float16's loss scaling skips."""
         pending = jax.device_get(self.pending)  # of steps done - len + 1 ... done
         for i, m in enumerate(pending):
             if not (np.isfinite(m["loss"]) and (m.get("skipped") or np.isfinite(m["grad_norm"]))):
@@ -2828,15 +2780,6 @@ class MetricsLog:
         self.pending, self.t0 = [], time.perf_counter()
         return record
 
-    def scores(self, step, result):
-        """Write and print the scores (fid.scores) of step `step`, with their protocol and sample
-        count."""
-        self.write({"step": step, "fid_samples": result["count"],
-                    "fid_protocol": result["protocol"],
-                    **{key: result[key] for key in ("fid", "sfid", "inception_score", "precision",
-                                                    "recall")}})
-        print(f"step {step}: {fid_module().describe(result)}")
-
     @contextlib.contextmanager
     def paused(self):
         """Time spent inside (checkpoints, sample grids, FID) is not training time."""
@@ -2858,8 +2801,7 @@ class Run:
 
 
 def train(args):
-    """Train a DiT on args.dataset, resuming from the newest checkpoint in args.run_dir if there is
-    one (or from the checkpoint file that --resume names)."""
+    """Train a DiT on args.dataset, from --resume's checkpoint or else run_dir's newest, if any."""
     # The devices, the data, and the model, objective and optimizer that fit it.
     mesh = make_mesh()
     check_batch_size(args.batch_size)
@@ -2883,12 +2825,15 @@ def train(args):
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
-    step_fns = train_steps(args, cfg, graphdef, objective, tx, mesh, shardings)
+    # Compiled on first use: deferred masking's step before --unmask-at, the unmasked one after.
+    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
+                                    args.seed, mesh, shardings, masking)
+                     for masking in (deferred_masking(args, cfg), None))
+    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
-    # The loop: a step on each global batch, assembled from each process's share, then the records,
-    # evaluations and checkpoints at their intervals. Ctrl-C, SIGTERM or the time limit end it after
-    # a whole step, at the same step on every process, with a checkpoint.
+    # The loop: a step on each global batch (from each process's share), then records, evaluations
+    # and checkpoints at their intervals, until the end or a Stop (the same step on all processes).
     batch, stopped = NamedSharding(mesh, P("data")), None
     with (stop, tqdm(range(start, args.steps), initial=start, total=args.steps,
                      disable=jax.process_index() != 0) as bar,
@@ -2898,8 +2843,8 @@ def train(args):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
-            state, metrics = step_fns(step)(state, x, y)
-            log.add(metrics)
+            state, metrics = (masked if step < unmask_at else whole)(state, x, y)
+            log.pending.append(metrics)
             done = step + 1
             stopped = stop.reason(done) if done < args.steps else None
             last = done == args.steps or stopped
@@ -3005,8 +2950,7 @@ def make_grid(images):
     """Tile uint8 images (N, H, W, C) into one square image, with 2-pixel gaps."""
     n, h, w, c = images.shape
     nrow = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / nrow)
-    grid = np.zeros((rows * (h + 2) + 2, nrow * (w + 2) + 2, c), np.uint8)
+    grid = np.zeros((math.ceil(n / nrow) * (h + 2) + 2, nrow * (w + 2) + 2, c), np.uint8)
     for i, img in enumerate(images):
         r, q = divmod(i, nrow)
         grid[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + q * (w + 2):2 + q * (w + 2) + w] = img
@@ -3022,10 +2966,9 @@ def save_grid(images, path):
 
 
 # Images each device decodes at a time. The SD VAE decoder's largest activation, the 256-channel
-# input of its last level at 256x256, is 64 MiB per image in float32 (500 images asked for 31 GiB
-# in one allocation); with what is live beside it, XLA's buffer assignment needs 224 MiB per image
-# in float32 (its CPU compiler's count). 32 images, the official sample_ddp.py's default batch per
-# GPU: about 7 GiB in float32, half that in bfloat16, at any sampling batch.
+# input of its last level at 256x256, is 64 MiB per image in float32 (500 asked for 31 GiB at once);
+# with what is live beside it, XLA's CPU compiler assigns 224 MiB per image. 32, the official
+# sample_ddp.py's batch per GPU: about 7 GiB in float32, half in bfloat16, at any sampling batch.
 DECODE_CHUNK = 32
 
 
@@ -3052,8 +2995,7 @@ class Sampler:
             return sample(nnx.merge(graphdef, params), objective, noise, y, key, **options)
 
         self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
-        # Latents are decoded to pixels by the VAE; the uint8 conversion happens on the device too,
-        # so that only bytes travel to the host. Its weights are copied to every device once, here.
+        # Samples are decoded and made uint8 on the device too: only bytes travel to the host.
         self.vae = None
         if vae is not None:
             vae_graphdef, vae_params = nnx.split(vae)
@@ -3078,9 +3020,8 @@ class Sampler:
         return to_host(self.finish(self.vae[1] if self.vae else None, x))
 
     def __call__(self, params, noise, y, key):
-        """uint8 images (B, H', W', C') for noise (B, H, W, C) and labels (B,); with
-        return_trajectory, also the images of at most 60 evenly spaced steps, noise first
-        (F, B, H', W', C'), for an animation."""
+        """Images (B, H', W', C') of noise (B, H, W, C) and labels (B,), and with return_trajectory,
+        an animation's frames (F, B, H', W', C'): <= 60 evenly spaced steps, noise first."""
         start = time.perf_counter()
         out = jax.block_until_ready(self.run(params, noise, y, key))
         sampled = time.perf_counter()
@@ -3112,9 +3053,8 @@ GRID_CFG_SCALE = 4.0
 
 
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
-    """n uint8 samples with labels spread evenly over the classes (the official sample_ddp.py draws
-    them at random; even spreading removes that source of variance from FID), in global batches of
-    batch_size over all devices and hosts. Returns (images (n, H, W, 3), labels (n,))."""
+    """(images (n, H, W, 3), labels (n,)): n uint8 samples, labels spread evenly over the classes
+    (sample_ddp.py's random ones add variance to FID), in global batches of batch_size."""
     labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
@@ -3142,10 +3082,9 @@ def fid_module():
 
 
 def evaluate_samples(images, ref, inception):
-    """FID, sFID, Inception Score, Precision and Recall (fid.scores) against a reference (a path or
-    fid.load_reference's dict; its protocol is used), as many as it allows, with the network that
-    fid.load_inception built. Every process holds all the samples; each feeds its own share and
-    fid.py combines the statistics."""
+    """fid.scores (FID, sFID, Inception Score, Precision, Recall), as many as the reference (a path
+    or fid.load_reference's dict, whose protocol is used) allows, by fid.load_inception's network.
+    Every process holds all samples, feeds its share, and fid.py combines the statistics."""
     share = images[jax.process_index()::jax.process_count()]
     return fid_module().evaluate(share, ref=ref, inception=inception)
 
@@ -3155,9 +3094,8 @@ VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
 def validation_losses(model, objective, x0, y, key):
-    """Per-sample losses (len(VAL_TIMES), B) of held-out x0 (B, H, W, C) with labels y at each of
-    VAL_TIMES, with noise from `key`: the same numbers at every evaluation of the same weights, so
-    that evaluations, runs and architectures compare."""
+    """Per-sample losses (len(VAL_TIMES), B) of held-out x0 (B, H, W, C), labels y, at VAL_TIMES,
+    noise from `key`: fixed for given weights, so evaluations, runs and models compare."""
     losses = []
     for i, frac in enumerate(VAL_TIMES):
         noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
@@ -3167,10 +3105,8 @@ def validation_losses(model, objective, x0, y, key):
 
 
 class Evaluator:
-    """What a training run evaluates of its EMA weights: sample grids, from the same noise and
-    labels at every step so that they compare; the validation loss of the held-out samples; and
-    FID-N against reference statistics (--fid-ref, or the prepared ImageNet-100's), with an
-    Inception network loaded at the first evaluation and kept."""
+    """What a training run evaluates of its EMA weights (__call__): grids from the same noise and
+    labels each time, so that they compare; FID against --fid-ref or the prepared ImageNet-100's."""
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
         vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
@@ -3193,8 +3129,7 @@ class Evaluator:
             self.ref = adm if os.path.exists(adm) else os.path.join(data_dir, "fid_stats.npz")
         if self.fid_sampler and self.ref and os.path.exists(self.ref):
             fid_module()  # a run that will need fid.py says so before it trains, not after
-        # The held-out samples, their latent noise and the noise of the loss are fixed (seed 0),
-        # whatever the run's seed: every evaluation of every run measures the same thing.
+        # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares.
         k, batch = len(held_out), NamedSharding(mesh, P("data"))
         if k:
             eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
@@ -3206,32 +3141,25 @@ class Evaluator:
                 nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1))
 
     def __call__(self, params, step, log):
-        """The evaluations due after step `step` of the run: grid, validation loss, FID."""
+        """The evaluations due after step `step`: the grid (samples/step_XXXXXXX.png of the run
+        directory, and TensorBoard), the validation loss at each of VAL_TIMES and its mean, FID."""
         args = self.args
         if step % args.sample_every == 0 or step == args.steps:
-            self.grid(params, step, log)
+            images = self.grid_sampler(params, self.grid_noise, self.grid_labels,
+                                       jax.random.key(args.seed + 2))
+            if jax.process_index() == 0:
+                path = os.path.join(args.run_dir, "samples", f"step_{step:07d}.png")
+                log.board.image(step, save_grid(images, path))
         if args.val_images and (step % args.val_every == 0 or step == args.steps):
-            self.validation(params, step, log)
+            losses = to_host(self.val_fn(params, *self.val))
+            log.write({"step": step, "val_loss": float(losses.mean()),
+                       "val_loss_t": {f"{t:g}": float(v) for t, v in zip(VAL_TIMES, losses)}})
         if args.fid_every and step % args.fid_every == 0:
             self.fid(params, step, args.fid_samples, log)
 
-    def validation(self, params, step, log):
-        """The validation loss at each of VAL_TIMES and its mean, into the log."""
-        losses = to_host(self.val_fn(params, *self.val))
-        log.write({"step": step, "val_loss": float(losses.mean()),
-                   "val_loss_t": {f"{t:g}": float(v) for t, v in zip(VAL_TIMES, losses)}})
-
-    def grid(self, params, step, log):
-        """samples/step_XXXXXXX.png of the run directory, and the same grid in TensorBoard."""
-        images = self.grid_sampler(params, self.grid_noise, self.grid_labels,
-                                   jax.random.key(self.args.seed + 2))
-        if jax.process_index() == 0:
-            log.board.image(step, save_grid(images, os.path.join(self.args.run_dir, "samples",
-                                                                 f"step_{step:07d}.png")))
-
     def fid(self, params, step, n, log):
-        """FID-N and the other scores of n samples, into the log; skipped, with a note why, when
-        there are no reference statistics. The reference (and its image features) is read once."""
+        """FID-N and the other scores (fid.scores) of n samples, printed and logged with protocol
+        and count, or, lacking a reference, a note why. Inception and the reference load once."""
         if not (self.ref and os.path.exists(self.ref)):
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -3240,26 +3168,28 @@ class Evaluator:
                              self.num_classes, self.args.seed)
         self.inception = self.inception or fid_module().load_inception(self.args.inception)
         self.reference = self.reference or fid_module().load_reference(self.ref)
-        log.scores(step, evaluate_samples(images, self.reference, self.inception))
+        result = evaluate_samples(images, self.reference, self.inception)
+        scores = ("fid", "sfid", "inception_score", "precision", "recall")
+        log.write({"step": step, "fid_samples": result["count"], "fid_protocol": result["protocol"],
+                   **{key: result[key] for key in scores}})
+        print(f"step {step}: {fid_module().describe(result)}")
 
 
 #################################################################################
 #                                 14. Benchmark                                 #
 #################################################################################
 
-# Dense peak of common accelerators in FLOP/s, for model FLOPs utilisation (MFU): bfloat16 where the
-# device has it, float16 on the T4, which has no bfloat16.
+# Dense bfloat16 (T4: float16) peak FLOP/s of accelerators, for model FLOPs utilisation (MFU).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12,
               "T4": 65e12, "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12,
               "TPU v3": 123e12, "TPU v2": 45e12}
 
 
 def random_weights(build, seed=0):
-    """The module that `build` makes, with random values drawn on the host rather than by its
-    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a
-    minute to compile the initialisers of the InceptionV3 or of the SD VAE on a 2-core CPU. Arrays
-    of two or more dimensions (kernels) are normal with variance 1 / fan-in, the product of all but
-    their last dimension; vectors (biases, norm scales, BatchNorm statistics) are ones."""
+    """The module that `build` makes, with random values drawn on the host, not by its initialisers,
+    for benchmarks (speed ignores values): XLA took half a minute to compile the InceptionV3's or SD
+    VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are normal, variance 1 / fan-in (product
+    of all dims but the last); vectors (biases, norm scales, BatchNorm statistics) are ones."""
     graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
     rng = np.random.default_rng(seed)
 
@@ -3273,9 +3203,8 @@ def random_weights(build, seed=0):
 
 
 def dit_flops(cfg):
-    """Forward FLOPs of one image (2 per multiply-add): the matrix products of the blocks, attention
-    and the embedders. The paper's "Gflops" count multiply-adds: half of this (118.6 for
-    DiT-XL/2)."""
+    """Forward FLOPs of one image (2 per multiply-add): the blocks' matrix products, attention and
+    the embedders. The paper's "Gflops" are multiply-adds, half of this (118.6 for DiT-XL/2)."""
     T, D, p, M = (cfg.grid ** 2, cfg.hidden_size, cfg.patch_size,
                   int(cfg.hidden_size * cfg.mlp_ratio))
     # qkv, proj, mlp, attention scores and values, adaLN
@@ -3286,15 +3215,13 @@ def dit_flops(cfg):
 
 
 def profiled(profile_dir, name):
-    """A jax.profiler trace of the block into profile_dir/name (TensorBoard shows one run per name),
-    or nothing when profile_dir is None."""
+    """A jax.profiler trace into profile_dir/name, one TensorBoard run; none without profile_dir."""
     return (jax.profiler.trace(os.path.join(profile_dir, name)) if profile_dir
             else contextlib.nullcontext())
 
 
 def timed(step, n, profile_dir, name):
-    """(seconds of the first call of `step`, which compiles it; seconds per call over the n calls
-    after it, traced as `name`). `step` returns arrays to wait for."""
+    """(seconds of `step`'s compiling first call; per call of the next n, traced as `name`)."""
     start = time.perf_counter()
     jax.block_until_ready(step())
     compile_s = time.perf_counter() - start
@@ -3307,10 +3234,9 @@ def timed(step, n, profile_dir, name):
 
 
 def bench(args):
-    """Speed on synthetic data with random weights, on which speed does not depend: the training
-    step (ms per step, images/s, MFU, peak memory), with --mask-ratio the masked step beside it, the
-    forward pass that every sampling step repeats, and with --fid N, FID-N end to end (bench_fid).
-    Returns the figures it prints."""
+    """Speed on synthetic data with random weights (speed is independent of them): the training step
+    (ms/step, images/s, MFU, peak memory), with --mask-ratio the masked step too, the forward pass
+    of every sampling step, and with --fid N, FID-N end to end (bench_fid). Returns the figures."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
     latent_channels = VAEConfig().latent_channels
@@ -3342,8 +3268,7 @@ def bench(args):
     gib = lambda mem: f"{mem / 2**30:.2f} GiB" if mem else "n/a"  # noqa: E731
     # The masked step first: the peak memory is the largest since the start.
     if masking:
-        masked_compile_s, masked_s = timed(stepping(masked_fn), args.steps, args.profile,
-                                           "masked")
+        masked_compile_s, masked_s = timed(stepping(masked_fn), args.steps, args.profile, "masked")
         masked_mem = memory()
     compile_s, seconds = timed(stepping(step_fn), args.steps, args.profile, "train")
 
@@ -3382,11 +3307,10 @@ def bench(args):
 
 def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
     """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
-    guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype's precision, the Inception
-    statistics and features (fid.evaluate, adm protocol), Precision and Recall against N reference
-    features (the samples' own, reversed, stand in for them). A first pass compiles each phase at
-    the shapes timed after it. The Frechet distances (FID, sFID), matrix square roots on the host
-    that do not depend on N, are left out. Returns the seconds of each phase and their total."""
+    guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype, the Inception statistics and features
+    (fid.evaluate, adm protocol), Precision and Recall against N reference features (the samples',
+    reversed). A first pass compiles each phase at the timed shapes. Left out: the Frechet distances
+    (FID, sFID), host-side and independent of N. Returns each phase's seconds and the total."""
     vae_cfg = VAEConfig()
     vae = random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
                                                    rngs=nnx.Rngs(0)))
