@@ -3349,9 +3349,8 @@ def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
 #################################################################################
 
 def run_cli(main, argv=None):
-    """Run a command line's `main(argv)`. A failure on the user's input ends the process with
-    status 1 and one line on stderr (one_line); any other exception is a bug and keeps its
-    traceback."""
+    """Run a command line's `main(argv)`: a failure on the user's input exits with status 1 and one
+    line on stderr (one_line); any other exception is a bug and keeps its traceback."""
     try:
         return main(argv)
     except (InputError, OSError) as e:
@@ -3359,40 +3358,32 @@ def run_cli(main, argv=None):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser, except that a bad option raises InputError rather than printing the
-    usage and exiting: one line from the command line, and in a notebook, one line with the
-    kernel alive."""
+    """argparse's parser, but a bad option raises InputError rather than printing the usage and
+    exiting: one line from the command line, and in a notebook one line with the kernel alive."""
 
     def error(self, message):
         raise InputError(f"{message} (--help lists the options)")
 
 
-def _at_least(minimum):
-    """The argparse type of sizes and counts: a whole number of at least `minimum`."""
-    def whole_number(text):
+def _parsed(parse, expected, ok=lambda value: True):
+    """An argparse type: `parse(text)` if it parses and `ok` accepts it, else an error."""
+    def argument(text):
         try:
-            value = int(text)
+            value = parse(text)
+            if ok(value):
+                return value
         except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got "
-                                             f"{text!r}")
-        return value
-    return whole_number
+            pass
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return argument
 
 
-positive_int, non_negative_int = _at_least(1), _at_least(0)
-
-
-def positive_float(text):
-    """The argparse type of scales: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
-    return value
+# Sizes and counts, scales (NaN fails `> 0` too), and lists such as "1,1.5,2" -> [1.0, 1.5, 2.0]
+positive_int = _parsed(int, "a whole number of at least 1", lambda n: n >= 1)
+non_negative_int = _parsed(int, "a whole number of at least 0", lambda n: n >= 0)
+positive_float = _parsed(float, "a number above 0", lambda x: x > 0)
+float_list = _parsed(lambda text: [float(part) for part in text.split(",")],
+                     "comma-separated numbers")
 
 
 @contextlib.contextmanager
@@ -3402,15 +3393,6 @@ def flag(name):
         yield
     except InputError as e:
         raise InputError(f"{name}: {e}") from None
-
-
-def float_list(text):
-    """The argparse type of comma-separated numbers: "1,1.5,2" -> [1.0, 1.5, 2.0]."""
-    try:
-        return [float(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}") from None
 
 
 def sample_command(args):
@@ -3444,8 +3426,7 @@ def sample_command(args):
         with flag(f"--cfg-scale {scale:g}"):
             guides(cfg, scale)
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
-        raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the classes of this "
-                         f"model")
+        raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
     make_sampler = functools.partial(
@@ -3527,23 +3508,20 @@ def model_options(size=None, patch=None):
                        ("rope", "2-D rotary position embeddings")]:
         p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
                        help=f"{what} (default: as --arch says), for ablations")
-    p.add_argument("--objective", default="rf", choices=list(OBJECTIVES),
-                   help="rectified flow; DiT's DDPM with learned variance (exact paper "
-                   "reproduction); or EDM (Karras et al. 2022)")
+    p.add_argument("--objective", default="rf", choices=list(OBJECTIVES), help="rectified flow; "
+                   "DiT's DDPM with learned variance (the paper's); or EDM (Karras et al. 2022)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                    help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on "
                    "TPUs and NVIDIA GPUs from Ampere on, fp16 on older GPUs, fp32 on CPUs)")
     p.add_argument("--remat", nargs="?", const="dots", choices=list(REMAT_POLICIES),
                    help="recompute activations in the backward pass: dots (without a value) keeps "
                    "the matrix products' outputs, full only each block's input")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard parameters and optimizer state over the devices")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state")
     p.add_argument("--mask-ratio", type=float, default=0.0, metavar="R",
                    help="deferred masking (MicroDiT): train the blocks after the mixer on a random "
                    "1 - R of each image's patches (0: every patch); sampling sees every patch")
     p.add_argument("--mixer-depth", type=non_negative_int, default=2, metavar="N",
-                   help="with --mask-ratio: the model's first N blocks, which see every patch "
-                   "(default: 2)")
+                   help="with --mask-ratio: the first N blocks see every patch (default: 2)")
     return p
 
 
@@ -3554,10 +3532,8 @@ def build_parser():
     hosts = argparse.ArgumentParser(add_help=False)
     hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
                        "no launcher (SLURM, Open MPI, TPU pod) set up")
-    hosts.add_argument("--num-processes", type=positive_int,
-                       help="number of processes of a multi-host run")
-    hosts.add_argument("--process-id", type=non_negative_int,
-                       help="this process's index in a multi-host run")
+    hosts.add_argument("--num-processes", type=positive_int, help="processes of a multi-host run")
+    hosts.add_argument("--process-id", type=non_negative_int, help="this process's index, from 0")
     weights = argparse.ArgumentParser(add_help=False)
     weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
                          "when missing), or a local diffusers folder or weight file")
@@ -3568,36 +3544,28 @@ def build_parser():
 
     parser = OneLineParser(
         prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
-        description="Train, sample, export and benchmark DiT models. Commands: train (the "
-                    "default), sample, export, bench; `dit.py COMMAND --help` lists a command's "
-                    "options.")
+        description="Train (the default command), sample, export and benchmark DiT models; "
+                    "`dit.py COMMAND --help` lists a command's options.")
     sub = parser.add_subparsers(dest="command")
     t = sub.add_parser("train", help="train a DiT (the default command)", formatter_class=recipes,
                        epilog=recipes_table(), parents=[model_options(), weights, hosts])
-    t.add_argument("--dataset", default="mnist",
-                   choices=["mnist", "cifar10", "imagenet100", "folder"],
-                   help="what to train on; its recipe (below) gives the defaults")
+    t.add_argument("--dataset", choices=["mnist", "cifar10", "imagenet100", "folder"],
+                   default="mnist", help="what to train on; its recipe (below) gives the defaults")
     t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for "
                    "mnist and cifar10)")
-    t.add_argument("--resolution", type=positive_int,
-                   help="centre-crop size for --dataset folder")
-    t.add_argument("--timestep-sampling", default="logit_normal",
-                   choices=["logit_normal", "uniform"],
-                   help="distribution of rectified flow's training times")
-    t.add_argument("--ln-loc", type=float, default=0.0,
-                   help="mean of the logit-normal timestep distribution")
+    t.add_argument("--resolution", type=positive_int, help="centre-crop size for --dataset folder")
+    t.add_argument("--timestep-sampling", choices=["logit_normal", "uniform"],
+                   default="logit_normal", help="distribution of rectified flow's training times")
+    t.add_argument("--ln-loc", type=float, default=0.0, help="mean of the logit-normal timesteps")
     t.add_argument("--ln-scale", type=positive_float, default=1.0,
-                   help="scale of the logit-normal timestep distribution")
-    t.add_argument("--batch-size", type=positive_int,
-                   help="global batch over all devices and hosts")
+                   help="scale of the logit-normal timesteps")
+    t.add_argument("--batch-size", type=positive_int, help="batch over all devices and hosts")
     t.add_argument("--steps", type=positive_int, help="training steps")
     t.add_argument("--lr", type=float, help="AdamW learning rate")
     t.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"),
                    help="AdamW's moment decays")
-    t.add_argument("--warmup", type=non_negative_int, default=0,
-                   help="linear learning-rate warm-up steps")
-    t.add_argument("--grad-clip", type=float, default=0.0,
-                   help="clip the global gradient norm (0: off)")
+    t.add_argument("--warmup", type=non_negative_int, default=0, help="linear LR warm-up steps")
+    t.add_argument("--grad-clip", type=float, default=0.0, help="max global gradient norm (0: off)")
     t.add_argument("--ema-decay", type=float, help="decay of the EMA of the weights")
     t.add_argument("--ema-warmup", action=argparse.BooleanOptionalAction,
                    help="let the EMA's decay grow as (1 + step) / (10 + step) up to --ema-decay, "
@@ -3606,22 +3574,19 @@ def build_parser():
                    "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
     t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "
                    "file; without a file, from the newest in --run-dir, which must have one")
-    t.add_argument("--log-every", type=positive_int,
-                   help="steps between records in metrics.jsonl")
+    t.add_argument("--log-every", type=positive_int, help="steps between records in metrics.jsonl")
     t.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
     t.add_argument("--keep", type=positive_int, default=3,
                    help="checkpoints kept (the newest is what a run resumes from)")
     t.add_argument("--time-limit", type=duration, metavar="DURATION",
-                   help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before "
-                   "a notebook session or a job ends (Ctrl-C and SIGTERM stop the same way); the "
-                   "same command continues")
+                   help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before a "
+                   "notebook or job ends (as Ctrl-C and SIGTERM do); the same command continues")
     t.add_argument("--unmask-at", type=non_negative_int, metavar="STEP",
                    help="with --mask-ratio: train on every patch after this many steps (a final "
                    "phase; a resumed run may set or move it)")
     t.add_argument("--sample-every", type=positive_int, help="steps between sample grids")
-    t.add_argument("--val-images", type=non_negative_int, default=0,
-                   help="samples held out of training for "
-                   "the validation loss (0: none); the same ones in every run on the dataset")
+    t.add_argument("--val-images", type=non_negative_int, default=0, help="samples held out of "
+                   "training for the validation loss (0: none), the same in every run on a dataset")
     t.add_argument("--val-every", type=positive_int, help="steps between validation losses "
                    "(default: --sample-every)")
     t.add_argument("--sample-steps", type=positive_int,
@@ -3630,38 +3595,32 @@ def build_parser():
                    help="guidance scale of the sample grids")
     t.add_argument("--fid-every", type=non_negative_int, default=0,
                    help="FID every N steps (0: never)")
-    t.add_argument("--fid-samples", type=positive_int, default=5000,
-                   help="samples for --fid-every")
-    t.add_argument("--final-fid", type=non_negative_int,
-                   help="samples for the FID at the end (0: none)")
+    t.add_argument("--fid-samples", type=positive_int, default=5000, help="samples for --fid-every")
+    t.add_argument("--final-fid", type=non_negative_int, help="samples of the final FID (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
                    help="guidance scale of FID samples")
     t.add_argument("--fid-ref", help="reference batch or statistics .npz (imagenet100: "
                    "<data-dir>/fid_ref.npz, else fid_stats.npz)")
-    t.add_argument("--profile", metavar="DIR",
-                   help=f"write a jax.profiler trace of steps {PROFILE_STEPS.start + 1} to "
-                   f"{PROFILE_STEPS.stop} of this process to DIR (TensorBoard or Perfetto opens "
-                   f"it)")
+    t.add_argument("--profile", metavar="DIR", help=f"write a jax.profiler trace of steps "
+                   f"{PROFILE_STEPS.start + 1} to {PROFILE_STEPS.stop} of this process to DIR "
+                   f"(TensorBoard or Perfetto opens it)")
 
     s = sub.add_parser("sample", parents=[weights, hosts],
                        help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
     s.add_argument("--ckpt", required=True,
                    help="training checkpoint .npz, exported .safetensors or official .pt")
-    s.add_argument("--cfg-scale", type=float_list,
-                   help=f"classifier-free guidance scale (1: none; default {GRID_CFG_SCALE:g} for "
-                   f"a grid, {FID_CFG_SCALE:g} for --fid); with --fid, comma-separated scales "
-                   f"are each sampled and scored")
+    s.add_argument("--cfg-scale", type=float_list, help=f"classifier-free guidance scale (1: none; "
+                   f"default {GRID_CFG_SCALE:g} for a grid, {FID_CFG_SCALE:g} for --fid); with "
+                   f"--fid, comma-separated scales are each sampled and scored")
     s.add_argument("--steps", type=positive_int, help=f"sampling steps {steps_default}")
     s.add_argument("--sampler", choices=sorted({m for o in OBJECTIVES.values() for m in o.METHODS}),
                    help="; ".join(f"{name}: {' or '.join(o.METHODS)} (default {o.default_method})"
                                   for name, o in OBJECTIVES.items()))
-    s.add_argument("--guidance-channels", default="all", choices=["all", "3"],
-                   help="guide all channels, or the first 3 as the official FID figures were "
-                   "computed")
+    s.add_argument("--guidance-channels", default="all", choices=["all", "3"], help="guide all "
+                   "channels, or the first 3 as the official FID figures were computed")
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
-                   action="append",
-                   help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale; with "
-                   "--fid, repeat it to sample and score each interval")
+                   action="append", help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 "
+                   "scale; with --fid, repeat it to sample and score each interval")
     s.add_argument("--n", type=positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
@@ -3670,33 +3629,28 @@ def build_parser():
                    help="draw this many samples (labels spread evenly) as .npz")
     s.add_argument("--ref", help="reference .npz for the scores (with --fid): `fid.py ref`'s, "
                    "OpenAI's reference batches, or FID statistics (`fid.py stats`)")
-    s.add_argument("--batch-size", type=positive_int, default=64,
-                   help="global sampling batch for --fid")
+    s.add_argument("--batch-size", type=positive_int, default=64, help="global batch of --fid")
     s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
-    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
-                   help="compute dtype of the model and the VAE (default: as for training; fp32 "
-                   "gives the official numbers)")
+    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="compute dtype of the "
+                   "model and the VAE (default: as for training; fp32 gives the official numbers)")
 
     e = sub.add_parser("export", help="write the EMA weights of a checkpoint as .safetensors")
     e.add_argument("--ckpt", required=True, help="training checkpoint .npz")
     e.add_argument("--out", required=True, help="the .safetensors file to write")
 
-    b = sub.add_parser("bench", parents=[model_options("S", 2)],
-                       help="speed with random weights: training and forward images/s, ms/step, "
-                       "memory, MFU; FID-N end to end")
+    b = sub.add_parser("bench", parents=[model_options("S", 2)], help="speed with random weights: "
+                       "training and forward images/s, ms/step, memory, MFU; FID-N end to end")
     b.add_argument("--image-size", type=positive_int, default=32,
                    help="input height and width (latents: 32 for 256x256 images)")
-    b.add_argument("--channels", type=positive_int, default=4,
-                   help="input channels (latents: 4)")
+    b.add_argument("--channels", type=positive_int, default=4, help="input channels (latents: 4)")
     b.add_argument("--batch-size", type=positive_int, default=256,
                    help="global batch of training, of the forward pass and of FID sampling")
     b.add_argument("--steps", type=positive_int, default=10,
                    help="timed training steps and forward passes after the compiling one")
     b.add_argument("--fid", type=non_negative_int, default=0, metavar="N",
                    help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
-    b.add_argument("--profile", metavar="DIR",
-                   help="write jax.profiler traces of the timed steps to DIR/train, DIR/forward "
-                   "and DIR/fid (TensorBoard or Perfetto opens them)")
+    b.add_argument("--profile", metavar="DIR", help="write jax.profiler traces of the timed steps "
+                   "to DIR/train, DIR/forward and DIR/fid (TensorBoard or Perfetto opens them)")
     return parser
 
 
@@ -3720,9 +3674,7 @@ def main(argv=None):
         return out
     if args.command == "bench":
         return bench(args)
-    for key, value in RECIPES[args.dataset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    vars(args).update({k: v for k, v in RECIPES[args.dataset].items() if getattr(args, k) is None})
     args.val_every = args.val_every or args.sample_every
     if args.val_images % jax.device_count():
         raise InputError(f"--val-images {args.val_images} does not split over "
@@ -3794,15 +3746,18 @@ class _Recorder:
         return self.parts[-1]
 
 
-def _read_pickle(fileobj):
-    """The bytes of the next pickle in `fileobj`, up to its STOP, after checking its opcodes.
+def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
+    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
+    `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
+    persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
+    or "latin1". A damaged pickle raises pickle.UnpicklingError.
 
     The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
     and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
-    `LONG_BINPUT 2**30` alone takes 16 GiB. Here every count is read against the data that is
-    really there, and a memo index may not exceed the opcodes before it (a pickler numbers its
-    entries in order), so that no pickle makes the unpickler allocate much more than its own size.
-    """
+    `LONG_BINPUT 2**30` alone takes 16 GiB. Hence the opcodes are read first (up to STOP), each
+    count against the data really there, and a memo index may not exceed the opcodes before it (a
+    pickler numbers its entries in order): no pickle makes the unpickler allocate much more than
+    its own size."""
     recorder = _Recorder(fileobj)
     try:
         for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
@@ -3811,17 +3766,8 @@ def _read_pickle(fileobj):
                                              f"pickle is damaged or crafted")
     except ValueError as e:  # genops' word for truncated or unknown data
         raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
-    return b"".join(recorder.parts)
-
-
-def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
-    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
-    `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
-    persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
-    or "latin1". The pickle is checked first (_read_pickle); a damaged one raises
-    pickle.UnpicklingError."""
-    raw = _read_pickle(fileobj)
-    return _RestrictedUnpickler(io.BytesIO(raw), allowed, persistent_load, encoding).load()
+    checked = io.BytesIO(b"".join(recorder.parts))
+    return _RestrictedUnpickler(checked, allowed, persistent_load, encoding).load()
 
 
 # Storage classes as torch names them in a pickle -> element type of their raw bytes.
@@ -3984,8 +3930,7 @@ def _load_torch_zip(path, archive, file_size):
     """torch.save's format since 1.6: <top>/data.pkl and a file <top>/data/<key> per storage."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
-        raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl "
-                         f"inside)")
+        raise InputError(f"{path}: a zip file but not a torch.save file (no <folder>/data.pkl)")
     top = pickles[0][: -len("data.pkl")]
     left = file_size  # entries of a crafted archive can share bytes; all together fit in the file
 
@@ -4055,8 +4000,7 @@ def _load_torch_legacy(path, f, file_size):
         return storages.setdefault(key, _Storage(storage_type, numel))
 
     obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
-    keys = safe_unpickle(f, {})
-    for key in keys:
+    for key in safe_unpickle(f, {}):  # the storage list, in the order of the data below
         if key not in storages:
             raise InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no tensor "
                              f"uses; the file is damaged")
@@ -4140,8 +4084,7 @@ def read_npz(path, names=None):
                     info = archive.getinfo(members[name])
                     if info.compress_size > left:
                         raise InputError(f"{path}: {name} claims {info.compress_size} bytes, "
-                                         f"more than the file holds; the file is damaged, write "
-                                         f"it again")
+                                         f"more than the file holds; it is damaged, write it again")
                     left -= info.compress_size
                     arrays[name] = _read_npy_member(path, archive, info, name)
                 return arrays
@@ -4178,8 +4121,7 @@ def _read_npy_member(path, archive, info, name):
         nbytes, stored = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
         if any(n < 0 for n in shape) or nbytes != stored:
             raise InputError(f"{path}: {name} claims shape {shape} of {dtype} ({nbytes} bytes) but "
-                             f"holds {stored} bytes; the file is damaged or truncated, write it "
-                             f"again")
+                             f"holds {stored} bytes; it is damaged or truncated, write it again")
         f.seek(0)  # read_array reads the header again, then the number of bytes checked here
         return np.lib.format.read_array(f, allow_pickle=False)
 
@@ -4199,16 +4141,14 @@ def read_safetensors(path):
     """
     def bad(problem):
         return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
-                          f"downloaded, the download may be incomplete; delete it and fetch it "
-                          f"again.")
+                          f"downloaded, it may be incomplete; delete it and fetch it again.")
     with open(path, "rb") as f:
         blob = f.read()
     if len(blob) < 8:
         raise bad(f"only {len(blob)} bytes")
     n = int.from_bytes(blob[:8], "little")
     if n > len(blob) - 8:
-        raise bad(f"the header claims {n} bytes but the file has {len(blob) - 8} after the length "
-                  f"field")
+        raise bad(f"the header claims {n} bytes but only {len(blob) - 8} follow the length field")
     try:
         header = json.loads(blob[8:8 + n])
     except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested without end
@@ -4313,7 +4253,6 @@ def read_idx(path: str) -> np.ndarray:
 # CIFAR-10's python release: a gzipped tar of pickles, each a dict of numpy arrays.
 _CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
 
-
 _ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
 
 
@@ -4399,18 +4338,15 @@ def download(url, path, digest=None, algorithm="sha256"):
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
-            received = 0
             with tqdm(total=total, unit="B", unit_scale=True,
                       desc=f"downloading {os.path.basename(path)}") as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     hasher.update(chunk)
                     bar.update(len(chunk))
-                    received += len(chunk)
-            if total is not None and received != total:  # a connection that closed early
-                raise http.client.IncompleteRead(b"", total - received)
-    # URLError and socket timeouts are OSErrors too
-    except (OSError, http.client.HTTPException) as e:
+            if total is not None and f.tell() != total:  # a connection that closed early
+                raise http.client.IncompleteRead(b"", total - f.tell())
+    except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors
         if os.path.exists(tmp):
             os.remove(tmp)
         raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
@@ -4421,8 +4357,6 @@ def download(url, path, digest=None, algorithm="sha256"):
                          f"{hasher.hexdigest()}, the published one is {digest}. Try again, or put "
                          f"a good copy at {path}")
     os.replace(tmp, path)
-
-
 
 
 # As a script; pasted into a notebook cell (no __file__ there), it only defines: call main([...]).
