@@ -877,6 +877,8 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                              PART II: THE HARNESS                             #
 #                                                                               #
 #################################################################################
+# What the harness's model and objectives add to the paper, then what connects them to the world:
+# weight files, data, checkpoints, devices and hosts, evaluation, the command line.
 
 #################################################################################
 #                      DiT+: the switches beyond the paper                      #
@@ -2520,7 +2522,8 @@ def architecture(args):
 
 
 def make_mesh():
-    """A 1-D mesh "data" over all hosts' devices; with Auto axes, jit lays out intermediates."""
+    """A 1-D mesh, axis "data", over every device of every host. Auto axes: jit's partitioner lays
+    out each intermediate from the shardings of the inputs and outputs."""
     return jax.make_mesh((jax.device_count(),), ("data",),
                          axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -2542,8 +2545,9 @@ def state_shardings(abstract_state, mesh, fsdp):
 
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
-    """(graphdef, state, shardings): the training state made in its shardings, never whole on one
-    device (a model may not fit), or read from `checkpoint` without initialising (2x memory)."""
+    """(graphdef, state, shardings): the training state made directly in its shardings, so that a
+    model too large for one device is never whole on one; or read from `checkpoint`, without
+    initialising first (which would need the memory twice)."""
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
@@ -2577,6 +2581,16 @@ def deferred_masking(args, cfg):
         raise InputError(f"--mixer-depth {args.mixer_depth} leaves none of the model's "
                          f"{cfg.depth} blocks to the backbone; use fewer")
     return DeferredMasking(args.mask_ratio, args.mixer_depth)
+
+
+def train_steps(args, cfg, graphdef, objective, tx, mesh, shardings):
+    """step -> the training step for that step, each compiled on first use: deferred masking's
+    before --unmask-at, the step on every patch after it (and throughout without masking)."""
+    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
+                                    args.seed, mesh, shardings, masking)
+                     for masking in (deferred_masking(args, cfg), None))
+    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
+    return lambda step: masked if step < unmask_at else whole
 
 
 def open_run(args, cfg, ds, objective):
@@ -2825,11 +2839,7 @@ def train(args):
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
-    # Compiled on first use: deferred masking's step before --unmask-at, the unmasked one after.
-    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
-                                    args.seed, mesh, shardings, masking)
-                     for masking in (deferred_masking(args, cfg), None))
-    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
+    step_fns = train_steps(args, cfg, graphdef, objective, tx, mesh, shardings)
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
     # The loop: a step on each global batch (from each process's share), then records, evaluations
@@ -2843,7 +2853,7 @@ def train(args):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
-            state, metrics = (masked if step < unmask_at else whole)(state, x, y)
+            state, metrics = step_fns(step)(state, x, y)
             log.pending.append(metrics)
             done = step + 1
             stopped = stop.reason(done) if done < args.steps else None
@@ -3186,10 +3196,11 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10
 
 
 def random_weights(build, seed=0):
-    """The module that `build` makes, with random values drawn on the host, not by its initialisers,
-    for benchmarks (speed ignores values): XLA took half a minute to compile the InceptionV3's or SD
-    VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are normal, variance 1 / fan-in (product
-    of all dims but the last); vectors (biases, norm scales, BatchNorm statistics) are ones."""
+    """The module that `build` makes, with random values drawn on the host rather than by its
+    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a minute
+    to compile the InceptionV3's or SD VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are
+    normal, variance 1 / fan-in (product of all dims but the last); vectors (biases, norm scales,
+    BatchNorm statistics) are ones."""
     graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
     rng = np.random.default_rng(seed)
 
@@ -3221,7 +3232,8 @@ def profiled(profile_dir, name):
 
 
 def timed(step, n, profile_dir, name):
-    """(seconds of `step`'s compiling first call; per call of the next n, traced as `name`)."""
+    """(seconds of the first call of `step`, which compiles it; seconds per call over the n calls
+    after it, traced as `name`)."""
     start = time.perf_counter()
     jax.block_until_ready(step())
     compile_s = time.perf_counter() - start
