@@ -1112,9 +1112,8 @@ class EDM:
         """D(x; sigma) for x (B, H, W, C) at noise levels sigma (B,) > 0."""
         s, sd = sigma.reshape((-1,) + (1,) * (x.ndim - 1)), self.sigma_data
         lo, hi = np.log(self.SIGMA_MIN) / 4, np.log(self.SIGMA_MAX) / 4
-        out = model_fn(x / jnp.sqrt(s ** 2 + sd ** 2),
-                       1000 * (jnp.log(sigma) / 4 - lo) / (hi - lo))
-        check_output(self, out, x)
+        out = check_output(self, model_fn(x / jnp.sqrt(s ** 2 + sd ** 2),
+                                          1000 * (jnp.log(sigma) / 4 - lo) / (hi - lo)), x)
         return sd ** 2 / (s ** 2 + sd ** 2) * x + s * sd / jnp.sqrt(s ** 2 + sd ** 2) * out
 
     def time_at(self, level):
@@ -1899,7 +1898,8 @@ def center_crop_arr(pil_image, image_size):
     if not (isinstance(image_size, (int, np.integer)) and image_size > 0):
         raise ValueError(f"image_size must be a positive int, got {image_size!r}")
     # RGB first, as DiT's loader converts; PIL would otherwise resize palette images NEAREST
-    pil_image = pil_image.convert("RGB")
+    if pil_image.mode != "RGB":
+        pil_image = pil_image.convert("RGB")
     while min(*pil_image.size) >= 2 * image_size:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
     scale = image_size / min(*pil_image.size)
