@@ -216,10 +216,10 @@ def parse_args(argv):
                    help="encoding batch of this host, rounded up to a multiple of its device count "
                    "(default: 32 per device)")
     p.add_argument("--precision", choices=["default", "high", "highest"],
-                   help="jax's precision of the VAE's float32 matrix products: highest is float32; "
-                   "high is three bfloat16 passes on TPUs; default one pass. NVIDIA GPUs do both in "
-                   "TF32. (default: high on TPUs, highest elsewhere: a single bfloat16 or TF32 pass "
-                   "strays beyond the float16 rounding of the stored latents)")
+                   help="jax's precision of the VAE's float32 matrix products: highest is "
+                   "float32; high is three bfloat16 passes on TPUs, default one; NVIDIA GPUs do "
+                   "both in TF32 (default: high on TPUs, highest elsewhere: one bfloat16 or TF32 "
+                   "pass strays beyond the float16 rounding of the stored latents)")
     p.add_argument("--chunk-size", type=dit.positive_int, default=2048,
                    help="images per resumable chunk")
     p.add_argument("--workers", type=dit.positive_int, default=os.cpu_count(),
@@ -404,7 +404,8 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
             "precision": None if vae is None else args.precision,
             "last_run_images": processed,
             "last_run_images_per_s": round(processed / run_s, 2) if processed else None,
-            "devices": len(devices), "device": devices[0].device_kind}
+            "devices": len(devices), "device": devices[0].device_kind,
+            "hosts": jax.process_count()}
 
 
 def write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run):

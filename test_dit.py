@@ -3751,7 +3751,8 @@ def test_prepare_precision_stores_the_float32_latents():
     for precision in ("default", "high", "highest"):
         found = products(encode(precision), state, images)
         assert found and all(p == (jax.lax.Precision(precision),) * 2 for _, p, _ in found)
-    assert prepare_imagenet100.default_vae_precision(types.SimpleNamespace(platform="tpu")) == "high"
+    tpu = types.SimpleNamespace(platform="tpu")
+    assert prepare_imagenet100.default_vae_precision(tpu) == "high"
     assert prepare_imagenet100.default_vae_precision(jax.devices()[0]) == "highest"
 
     exact = np.asarray(jax.jit(encode("highest"))(state, images), np.float32)  # (5, 2, 16, 16, 8)
@@ -3790,6 +3791,87 @@ def test_train_on_prepared_imagenet100(tmp_path, monkeypatch):
             and meta["latent_scale"] == 0.18215)
     grid = np.asarray(Image.open(run / "samples" / "step_0000002.png"))
     assert grid.shape == (4 * 34 + 2, 4 * 34 + 2, 3)  # 16 decoded 32x32 RGB images in a 4x4 grid
+
+
+@slow
+def test_prepare_moves_each_batch_once_and_reads_it_back_after_the_next(tmp_path, monkeypatch,
+                                                                       inception_weights):
+    """One transfer to the devices per batch, which both Inception programs read; a batch's results
+    are read back once the next batch is dispatched (JAX dispatches asynchronously: the devices
+    work on the next meanwhile), and a chunk's all before it is recorded as done."""
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
+    src, _, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))  # 6 files
+    events, batches = [], []  # batches: the arrays that device_put returned for them
+
+    class Result:  # a program's output, which notes when it is read back
+        def __init__(self, array, batch):
+            self.array, self.batch = array, batch
+
+        def __array__(self, dtype=None, copy=None):
+            events.append(("read", self.batch))
+            return np.asarray(self.array)
+
+    def device_put(x, sharding):
+        if isinstance(x, np.ndarray) and x.dtype == np.uint8:  # not the weights
+            events.append(("put", len(batches)))
+            batches.append(real_put(x, sharding))
+            return batches[-1]
+        return real_put(x, sharding)
+
+    def sharded_apply(*args):
+        run = real_apply(*args)
+
+        def dispatch(x):
+            batch = next(i for i, b in enumerate(batches) if b is x)
+            events.append(("run", batch))
+            return Result(run(x), batch)
+        return dispatch
+
+    def write_json(path, obj):
+        if path.endswith("manifest.json"):
+            events.append(("done", len(obj["chunks_done"])))
+        real_write(path, obj)
+
+    real_put, real_apply, real_write = (jax.device_put, prepare_imagenet100.sharded_apply,
+                                        prepare_imagenet100.write_json)
+    monkeypatch.setattr(jax, "device_put", device_put)
+    monkeypatch.setattr(prepare_imagenet100, "sharded_apply", sharded_apply)
+    monkeypatch.setattr(prepare_imagenet100, "write_json", write_json)
+    with pytest.warns(UserWarning):  # the random Inception is not the official file
+        prepare_imagenet100.main([str(src), str(tmp_path / "out"), "--pixels", "16",
+                                  "--batch-size", "2", "--chunk-size", "4", "--workers", "1",
+                                  "--inception", inception_weights])
+    # chunks of 4 and 2 files; in batches of 2: 0, 1, then 2
+    assert events == [("put", 0), ("run", 0), ("run", 0), ("put", 1), ("run", 1), ("run", 1),
+                      ("read", 0), ("read", 0), ("read", 1), ("read", 1), ("done", 1),
+                      ("put", 2), ("run", 2), ("run", 2), ("read", 2), ("read", 2), ("done", 2),
+                      ("done", 2)]  # the last: the complete manifest
+
+
+@slow
+def test_prepare_on_two_hosts_with_local_disks(tmp_path):
+    """A pod slice of 2 hosts x 2 devices, each host with its own disk: the same command on both
+    (the hosts join by the environment, as SLURM's tasks here) leaves the whole split on each."""
+    src, _, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost",
+           "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+           "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "prepare_imagenet100.py"),
+                               str(src), str(tmp_path / f"disk{k}" / "in100"), "--vae",
+                               fixture("vae_reference"), "--resolution", "32", "--chunk-size", "4",
+                               "--no-fid"], env={**env, "SLURM_PROCID": str(k)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    disks = [tmp_path / f"disk{k}" / "in100" for k in (0, 1)]
+    manifests = [json.load(open(d / "manifest.json")) for d in disks]
+    assert all(m["complete"] and m["counts"]["images"] == 5 and m["timing"]["hosts"] == 2
+               and m["timing"]["devices"] == 2 for m in manifests)
+    for name in ("latents.npy", "labels.npy", "classes.json"):
+        assert (disks[0] / name).read_bytes() == (disks[1] / name).read_bytes()
 
 
 def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
