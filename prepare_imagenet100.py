@@ -31,8 +31,9 @@ fastest that stores the float32 latents to float16's rounding (high on TPUs, flo
 
 On a pod slice, whose hosts have only local disks, run the same command on every host, for instance
     gcloud compute tpus tpu-vm ssh NAME --worker=all --command="python prepare_imagenet100.py ..."
-with the source copied to each host first. The hosts join as dit.py's do; each then prepares the
-whole split with its own devices onto its own disk, so every host ends with the complete data.
+with the source copied to each host first. Each host prepares the whole split with its own devices
+onto its own disk, without waiting for the others (nor in a process that jax.distributed joined to
+others), so that every host ends with the complete data.
 """
 import argparse
 import concurrent.futures
@@ -239,9 +240,6 @@ def default_vae_precision(device):
 
 def main(argv=None):
     args = parse_args(argv)
-    # On a pod slice every host runs this same command: they join as dit.py's do, then each
-    # prepares the whole split with its own devices onto its own disk.
-    dit.setup_distributed(argparse.Namespace(coordinator=None, num_processes=None))
     args.batch_size = args.batch_size or 32 * jax.local_device_count()
     args.precision = args.precision or default_vae_precision(jax.local_devices()[0])
     src, out = (os.path.abspath(args.src),
@@ -332,7 +330,8 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
     arrays["inception"] and arrays["adm"] with the features of both protocols. Each finished chunk
     is recorded in the manifest with its unreadable files, after its rows are flushed to disk;
     chunks already recorded are skipped."""
-    # This host's devices only: on a pod slice every host prepares the whole split on its own.
+    # This host's devices only: on a pod slice every host prepares the whole split on its own, and
+    # no collective may wait for hosts that finish sooner or later.
     devices = jax.local_devices()
     data = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
     # a whole number of images per device

@@ -3850,23 +3850,25 @@ def test_prepare_moves_each_batch_once_and_reads_it_back_after_the_next(tmp_path
 
 @slow
 def test_prepare_on_two_hosts_with_local_disks(tmp_path):
-    """A pod slice of 2 hosts x 2 devices, each host with its own disk: the same command on both
-    (the hosts join by the environment, as SLURM's tasks here) leaves the whole split on each."""
+    """A pod slice of 2 hosts x 2 devices, each host with its own disk, in processes that
+    jax.distributed joined: the same command on both leaves the whole split on each."""
     src, _, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
-    port = free_port()
+    coordinator = f"localhost:{free_port()}"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu", "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost",
-           "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-           "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "prepare_imagenet100.py"),
-                               str(src), str(tmp_path / f"disk{k}" / "in100"), "--vae",
-                               fixture("vae_reference"), "--resolution", "32", "--chunk-size", "4",
-                               "--no-fid"], env={**env, "SLURM_PROCID": str(k)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k in (0, 1)]
+           "JAX_PLATFORMS": "cpu"}
+    disks = [tmp_path / f"disk{k}" / "in100" for k in (0, 1)]
+
+    def host(k):  # joins the other process, then runs the command line
+        argv = [str(src), str(disks[k]), "--vae", fixture("vae_reference"), "--resolution", "32",
+                "--chunk-size", "4", "--no-fid"]
+        code = (f"import jax, sys; jax.distributed.initialize({coordinator!r}, 2, {k}); "
+                f"sys.path.insert(0, {HERE!r}); import dit, prepare_imagenet100; "
+                f"dit.run_cli(prepare_imagenet100.main, {argv!r})")
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    procs = [host(0), host(1)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    disks = [tmp_path / f"disk{k}" / "in100" for k in (0, 1)]
     manifests = [json.load(open(d / "manifest.json")) for d in disks]
     assert all(m["complete"] and m["counts"]["images"] == 5 and m["timing"]["hosts"] == 2
                and m["timing"]["devices"] == 2 for m in manifests)
