@@ -32,8 +32,8 @@ fastest that stores the float32 latents to float16's rounding (high on TPUs, flo
 On a pod slice, whose hosts have only local disks, run the same command on every host, for instance
     gcloud compute tpus tpu-vm ssh NAME --worker=all --command="python prepare_imagenet100.py ..."
 with the source copied to each host first. Each host prepares the whole split with its own devices
-onto its own disk, without waiting for the others (nor in a process that jax.distributed joined to
-others), so that every host ends with the complete data.
+onto its own disk and waits for no other, also where jax.distributed joined the processes, so that
+every host ends with the complete data.
 """
 import argparse
 import concurrent.futures
