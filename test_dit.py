@@ -3723,7 +3723,9 @@ def as_a_device_multiplies(fn, mantissa_bits, passes=1):
             elif eqn.primitive.name in ("pjit", "jit"):
                 outs = run(eqn.params["jaxpr"].jaxpr, eqn.params["jaxpr"].consts, *ins)
             else:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                bind = eqn.primitive.get_bind_params(eqn.params)  # jax 0.7: (subfuns, params)
+                subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+                outs = eqn.primitive.bind(*subfuns, *ins, **params)
                 outs = outs if eqn.primitive.multiple_results else [outs]
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
