@@ -133,6 +133,31 @@ def one_line(e):
     return "error: " + " ".join(message.splitlines())
 
 
+# The oldest releases this file runs on: flax 0.12.0 brought nnx.List and needs jax 0.7.1; optax
+# 0.2.5 brought optax.tree. Checked at import, so that an older notebook image ends in one line.
+MINIMUM_VERSIONS = {"jax": "0.7.1", "flax": "0.12.0", "optax": "0.2.5"}
+
+
+def check_versions(installed):
+    """InputError naming the packages of `installed` ({name: version}) older than they must be."""
+    number = lambda v: tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", v).group().split("."))
+    old = [name for name, v in installed.items() if number(v) < number(MINIMUM_VERSIONS[name])]
+    if old:
+        found = ", ".join(f"{name} {installed[name]}" for name in old)
+        need = [f"{name}>={MINIMUM_VERSIONS[name]}" for name in old]
+        extras = " (for jax on a TPU or GPU: jax[tpu] or jax[cuda12])" if "jax" in old else ""
+        raise InputError(f"found {found}; this code needs {', '.join(need)}: pip install -U "
+                         f"{' '.join(repr(n) for n in need)}{extras}, then restart Python")
+
+
+try:
+    check_versions({name: sys.modules[name].__version__ for name in MINIMUM_VERSIONS})
+except InputError as e:
+    if hasattr(sys.modules["__main__"], "__file__"):  # a script, not a notebook or a prompt
+        raise SystemExit(one_line(e)) from None
+    raise
+
+
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
     """Architecture of a DiT. The defaults are DiT-XL/2 on 256x256 images (32x32x4 latents)."""
@@ -1215,8 +1240,10 @@ def attention_implementation(dtype, head_dim, device=None):
 
 def matmul_precision(dtype):
     """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
-    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes."""
-    if dtype == jnp.float32:
+    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes, and
+    where the caller chose a precision (jax.default_matmul_precision), as prepare_imagenet100.py
+    does for the VAE."""
+    if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()
 

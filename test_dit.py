@@ -42,6 +42,7 @@ import zipfile
 import zlib
 
 import jax
+import jax.export
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
@@ -271,6 +272,50 @@ def test_any_input_size_channels_and_unconditional():
             == (3, 12, 12, 1))
     with pytest.raises(dit.InputError, match="does not divide the input size 10"):
         dit.DiTConfig(input_size=10, patch_size=4)
+
+
+def test_versions_older_than_the_minimum_are_named():
+    dit.check_versions({"jax": "0.12.0.1", "flax": "0.12.0", "optax": "0.2.5"})  # the minimums pass
+    dit.check_versions({"jax": "0.13.0.dev20260101"})  # as do pre-releases of later versions
+    with pytest.raises(dit.InputError, match=r"found optax 0\.2\.4; .* pip install -U "
+                                             r"'optax>=0\.2\.5', then restart"):
+        dit.check_versions({"jax": "0.10.2", "optax": "0.2.4"})
+
+
+# A notebook image with flax 0.10.7 and jax 0.6.2 (a clean venv of them fails in dit.py on
+# nnx.List); the import sees those versions, which `python -c` of this text sets before it. Its
+# __main__ is the prompt's, which has no file, unless runpy runs a script.
+OLD_RELEASES = """
+import runpy, sys
+import flax, jax
+flax.__version__, jax.__version__ = "0.10.7", "0.6.2"
+sys.path.insert(0, {here!r})
+if sys.argv[1] == "import":
+    try:
+        import dit
+    except ValueError as e:
+        print(type(e).__name__, e)
+else:
+    runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+
+
+@slow
+def test_old_releases_end_in_one_line():
+    """As a script, dit.py, fid.py (which imports dit) and prepare_imagenet100.py end in one line
+    that names the versions found and needed and the pip command; imported, dit raises
+    InputError."""
+    driver = [sys.executable, "-c", OLD_RELEASES.format(here=HERE)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for script in ("dit.py", "fid.py", "prepare_imagenet100.py"):
+        proc = subprocess.run([*driver, os.path.join(HERE, script), "--help"], env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+        assert proc.stderr == ("error: found jax 0.6.2, flax 0.10.7; this code needs jax>=0.7.1, "
+                               "flax>=0.12.0: pip install -U 'jax>=0.7.1' 'flax>=0.12.0' (for jax "
+                               "on a TPU or GPU: jax[tpu] or jax[cuda12]), then restart Python\n")
+    proc = subprocess.run([*driver, "import"], env=env, capture_output=True, text=True)
+    assert proc.stdout.startswith("InputError found jax 0.6.2, flax 0.10.7;"), proc.stderr
 
 
 #################################################################################
@@ -3649,6 +3694,87 @@ def test_prepare_latents_kaggle_tree(tmp_path):
     assert np.load(out / "val" / "latents.npy").shape == (2, 2, 16, 16, 8)
 
 
+def as_a_device_multiplies(fn, mantissa_bits, passes=1):
+    """fn with every float32 dot_general and conv_general_dilated computed as an accelerator does
+    on the CPU, which always multiplies in float32: the operands rounded to `mantissa_bits`
+    (bfloat16: 7, TF32: 10) and the products summed in float32; passes=3 adds the products of each
+    operand's rounding remainder with the other's rounded value (bfloat16_3x, a TPU's "high").
+    Returns (fn's outputs, the number of products so computed)."""
+    count = 0
+
+    def multiply(eqn, a, b):
+        nonlocal count
+        count += 1
+        hi = lambda v: jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=mantissa_bits)
+        bind = lambda a, b: eqn.primitive.bind(a, b, **{**eqn.params, "precision": None})
+        out = bind(hi(a), hi(b))
+        if passes == 3:
+            out = out + bind(hi(a), hi(b - hi(b))) + bind(hi(a - hi(a)), hi(b))
+        return out
+
+    def run(jaxpr, consts, *args):  # jax.core.eval_jaxpr, inlining the nested jitted calls
+        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+        read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            if (eqn.primitive.name in ("dot_general", "conv_general_dilated")
+                    and ins[0].dtype == jnp.float32):
+                outs = [multiply(eqn, *ins)]
+            elif eqn.primitive.name in ("pjit", "jit"):
+                outs = run(eqn.params["jaxpr"].jaxpr, eqn.params["jaxpr"].consts, *ins)
+            else:
+                bind = eqn.primitive.get_bind_params(eqn.params)  # jax 0.7: (subfuns, params)
+                subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+                outs = eqn.primitive.bind(*subfuns, *ins, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def wrapped(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = run(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), outs), count
+    return wrapped
+
+
+@slow
+def test_prepare_precision_stores_the_float32_latents():
+    """At each --precision every product of the VAE asks XLA for it, and the latents that a device
+    computes at the default for TPUs ("high", three bfloat16 passes) are float32's to float16's
+    rounding, where one bfloat16 pass (a TPU's "default") or TF32 (a GPU's "default" and "high")
+    are not: emulated on the CPU, on real photos through the small VAE of the fixtures."""
+    vae = load_vae(fixture("vae_reference"))
+    photos = data("imagenet100-photos")
+    images = np.stack([dit.load_image(os.path.join(photos, f), 32)[0]
+                       for f in sorted(os.listdir(photos)) if f.endswith(".JPEG")])
+    graphdef, state = nnx.split(vae)
+    encode = lambda precision: lambda state, x: prepare_imagenet100.encode_with_flip(
+        nnx.merge(graphdef, state), x, precision)
+    for precision in ("default", "high", "highest"):
+        found = products(encode(precision), state, images)
+        assert found and all(p == (jax.lax.Precision(precision),) * 2 for _, p, _ in found)
+    tpu = types.SimpleNamespace(platform="tpu")
+    assert prepare_imagenet100.default_vae_precision(tpu) == "high"
+    assert prepare_imagenet100.default_vae_precision(jax.devices()[0]) == "highest"
+
+    exact = np.asarray(jax.jit(encode("highest"))(state, images), np.float32)  # (5, 2, 16, 16, 8)
+    # One float16 step at each latent's magnitude, and at least at the median magnitude: a sum's
+    # rounding error scales with its terms, not with its result, which can be near 0.
+    magnitude = np.maximum(np.abs(exact), np.median(np.abs(exact)))
+    step = np.spacing(magnitude.astype(np.float16)).astype(np.float32)
+
+    def steps_off(mantissa_bits, passes):  # the largest difference from float32's, in steps
+        latents, n = as_a_device_multiplies(encode("highest"), mantissa_bits, passes)(state, images)
+        assert n == len(products(encode("highest"), state, images))  # every product emulated
+        return np.max(np.abs(np.asarray(latents, np.float32) - exact) / step)
+
+    # Measured: 1 step for "high" (3.5% of the latents; its error before storing: 0.31 of half a
+    # step), 79 for one bfloat16 pass (91% of them off), 12 for TF32 (57%). An error below half a
+    # step leaves the stored value equal to float32's or the next one.
+    assert steps_off(7, passes=3) <= 1
+    assert steps_off(7, passes=1) > 8 and steps_off(10, passes=1) > 2
+
+
 @slow
 def test_train_on_prepared_imagenet100(tmp_path, monkeypatch):
     """What prepare_imagenet100.py writes is what `dit.py --dataset imagenet100` trains on, and the
@@ -3667,6 +3793,89 @@ def test_train_on_prepared_imagenet100(tmp_path, monkeypatch):
             and meta["latent_scale"] == 0.18215)
     grid = np.asarray(Image.open(run / "samples" / "step_0000002.png"))
     assert grid.shape == (4 * 34 + 2, 4 * 34 + 2, 3)  # 16 decoded 32x32 RGB images in a 4x4 grid
+
+
+@slow
+def test_prepare_moves_each_batch_once_and_reads_it_back_after_the_next(tmp_path, monkeypatch,
+                                                                       inception_weights):
+    """One transfer to the devices per batch, which both Inception programs read; a batch's results
+    are read back once the next batch is dispatched (JAX dispatches asynchronously: the devices
+    work on the next meanwhile), and a chunk's all before it is recorded as done."""
+    monkeypatch.setenv("DIT_CACHE", str(tmp_path / "cache"))
+    src, _, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))  # 6 files
+    events, batches = [], []  # batches: the arrays that device_put returned for them
+
+    class Result:  # a program's output, which notes when it is read back
+        def __init__(self, array, batch):
+            self.array, self.batch = array, batch
+
+        def __array__(self, dtype=None, copy=None):
+            events.append(("read", self.batch))
+            return np.asarray(self.array)
+
+    def device_put(x, sharding):
+        if isinstance(x, np.ndarray) and x.dtype == np.uint8:  # not the weights
+            events.append(("put", len(batches)))
+            batches.append(real_put(x, sharding))
+            return batches[-1]
+        return real_put(x, sharding)
+
+    def sharded_apply(*args):
+        run = real_apply(*args)
+
+        def dispatch(x):
+            batch = next(i for i, b in enumerate(batches) if b is x)
+            events.append(("run", batch))
+            return Result(run(x), batch)
+        return dispatch
+
+    def write_json(path, obj):
+        if path.endswith("manifest.json"):
+            events.append(("done", len(obj["chunks_done"])))
+        real_write(path, obj)
+
+    real_put, real_apply, real_write = (jax.device_put, prepare_imagenet100.sharded_apply,
+                                        prepare_imagenet100.write_json)
+    monkeypatch.setattr(jax, "device_put", device_put)
+    monkeypatch.setattr(prepare_imagenet100, "sharded_apply", sharded_apply)
+    monkeypatch.setattr(prepare_imagenet100, "write_json", write_json)
+    with pytest.warns(UserWarning):  # the random Inception is not the official file
+        prepare_imagenet100.main([str(src), str(tmp_path / "out"), "--pixels", "16",
+                                  "--batch-size", "2", "--chunk-size", "4", "--workers", "1",
+                                  "--inception", inception_weights])
+    # chunks of 4 and 2 files; in batches of 2: 0, 1, then 2
+    assert events == [("put", 0), ("run", 0), ("run", 0), ("put", 1), ("run", 1), ("run", 1),
+                      ("read", 0), ("read", 0), ("read", 1), ("read", 1), ("done", 1),
+                      ("put", 2), ("run", 2), ("run", 2), ("read", 2), ("read", 2), ("done", 2),
+                      ("done", 2)]  # the last: the complete manifest
+
+
+@slow
+def test_prepare_on_two_hosts_with_local_disks(tmp_path):
+    """A pod slice of 2 hosts x 2 devices, each host with its own disk, in processes that
+    jax.distributed joined: the same command on both leaves the whole split on each."""
+    src, _, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
+    coordinator = f"localhost:{free_port()}"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    disks = [tmp_path / f"disk{k}" / "in100" for k in (0, 1)]
+
+    def host(k):  # joins the other process, then runs the command line
+        argv = [str(src), str(disks[k]), "--vae", fixture("vae_reference"), "--resolution", "32",
+                "--chunk-size", "4", "--no-fid"]
+        code = (f"import jax, sys; jax.distributed.initialize({coordinator!r}, 2, {k}); "
+                f"sys.path.insert(0, {HERE!r}); import dit, prepare_imagenet100; "
+                f"dit.run_cli(prepare_imagenet100.main, {argv!r})")
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    procs = [host(0), host(1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    manifests = [json.load(open(d / "manifest.json")) for d in disks]
+    assert all(m["complete"] and m["counts"]["images"] == 5 and m["timing"]["hosts"] == 2
+               and m["timing"]["devices"] == 2 for m in manifests)
+    for name in ("latents.npy", "labels.npy", "classes.json"):
+        assert (disks[0] / name).read_bytes() == (disks[1] / name).read_bytes()
 
 
 def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
