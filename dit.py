@@ -3385,7 +3385,7 @@ def run_of(path):
     return folder if os.path.isfile(os.path.join(folder, "run.json")) else None
 
 
-def number(value):
+def as_number(value):
     """A logged figure as a float; NaN, a gap in a curve, where it is missing or None."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return float(value) if ok else math.nan
@@ -3421,8 +3421,8 @@ class RunRecords:
     def values(records, key, entry=None):
         """(N,) the figure `key` of each record (its `entry` where the figure is a dict)."""
         values = [r.get(key) for r in records]
-        return np.array([number(v.get(entry) if isinstance(v, dict) else None) if entry
-                         else number(v) for v in values])
+        return np.array([as_number(v.get(entry) if isinstance(v, dict) else None) if entry
+                         else as_number(v) for v in values])
 
     def x(self, records, axis):
         """(N,) the records' steps, or the hours of training at those steps (axis "hours")."""
@@ -3430,12 +3430,12 @@ class RunRecords:
         return np.interp(steps, *self.hours) if axis == "hours" else steps
 
 
-def option(settings, key):
+def setting_option(settings, key):
     """A run's setting as the option that gives it ("--arch dit+", "--no-ema-warmup"): "" for a
     DiT+ switch that the run's --arch sets anyway, or a setting it lacks (which it had off)."""
     value, name = settings.get(key), "--" + key.replace("_", "-")
     if key == "masking":
-        return (f"--mask-ratio {number(value.get('mask_ratio')):g} --mixer-depth "
+        return (f"--mask-ratio {as_number(value.get('mask_ratio')):g} --mixer-depth "
                 f"{value.get('mixer_depth')}" if isinstance(value, dict) else "--mask-ratio 0")
     if key in ARCHS["dit"] and bool(value) == ARCHS.get(settings.get("arch"), {}).get(key):
         return ""
@@ -3444,7 +3444,7 @@ def option(settings, key):
     if isinstance(value, bool) or key in ARCHS["dit"]:
         return name if value else "--no-" + name[2:]
     if isinstance(value, list):
-        return " ".join([name, *(f"{number(v):g}" for v in value)])
+        return " ".join([name, *(f"{as_number(v):g}" for v in value)])
     if value is None:
         return ""
     return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
@@ -3454,7 +3454,7 @@ def run_labels(runs):
     """Each run named by the options where its settings differ from the others'; by its folder's
     name as well where that leaves it unnamed or named as another is."""
     keys = list(dict.fromkeys(k for run in runs for k in run.settings))
-    options = [{k: option(run.settings, k) for k in keys} for run in runs]
+    options = [{k: setting_option(run.settings, k) for k in keys} for run in runs]
     differ = [k for k in keys if len({o[k] for o in options}) > 1]
     labels = [" ".join(o[k] for k in differ if o[k]) for o in options]
     return [label if label and labels.count(label) == 1
@@ -3472,7 +3472,7 @@ def smoothed(values, share=0.02):
 
 def scored(record):
     """How a record's scores were measured: "10K samples, adm"."""
-    return f"{number(record.get('fid_samples')) / 1000:g}K samples, {record.get('fid_protocol')}"
+    return f"{as_number(record.get('fid_samples')) / 1000:g}K samples, {record.get('fid_protocol')}"
 
 
 # The panels of FID and fid.py's other scores (the keys of their records, the panel's name).
@@ -3531,7 +3531,7 @@ def report_panels(runs, axis):
             settings = {}  # (guidance interval, guided channels, how scored) -> {scale: record}
             for r in newest:  # the newest record of each scale
                 setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r))
-                settings.setdefault(setting, {})[number(r["cfg_scale"])] = r
+                settings.setdefault(setting, {})[as_number(r["cfg_scale"])] = r
             for j, ((interval, channels, kind), by_scale) in enumerate(settings.items()):
                 group = [by_scale[s] for s in sorted(by_scale)]
                 style = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7])
@@ -3577,7 +3577,7 @@ def report_figure(runs, labels, axis):
     return fig
 
 
-def parameters(run_dir):
+def run_parameters(run_dir):
     """The parameter count of the model in a run's newest checkpoint, read from its metadata
     alone; None before the first checkpoint."""
     found = list_checkpoints(run_dir)
@@ -3596,22 +3596,22 @@ def report_table(runs, labels, out, curves):
     grids = []
     for run, label in zip(runs, labels):
         step = run.train[-1]["step"]
-        count = parameters(run.dir)
+        count = run_parameters(run.dir)
         val, val_steps = run.values(run.val, "val_loss"), [r["step"] for r in run.val]
         known = np.isfinite(val)
         last = f"{val[known][-1]:.4f}" if known.any() else ""
         best = (f"{np.nanmin(val):.4f} at step {val_steps[int(np.nanargmin(val))]:,}"
                 if known.any() else "")
         fid = run.fid[-1] if run.fid else None
-        fid = f"{number(fid['fid']):.2f} ({scored(fid)}, step {fid['step']:,})" if fid else ""
+        fid = f"{as_number(fid['fid']):.2f} ({scored(fid)}, step {fid['step']:,})" if fid else ""
         speed = np.nanmedian(run.values(run.train, "images_per_s"))
         cells = [run.dir, f"`{label}`", f"{count:,}" if count else "", f"{step:,}",
                  f"{run.hours[1][-1]:.2f}", f"{speed:.1f}", last, best, fid]
         lines.append("| " + " | ".join(cells) + " |")
         samples = os.path.join(run.dir, "samples")
-        names = sorted(n for n in os.listdir(samples) if n.startswith("step_")
-                       and n.endswith(".png")) if os.path.isdir(samples) else []
-        if names:
+        names = sorted(n for n in os.listdir(samples) if re.fullmatch(r"step_\d{7}\.png", n)
+                       ) if os.path.isdir(samples) else []
+        if names:  # the newest grid
             link = os.path.relpath(os.path.join(samples, names[-1]), out).replace(os.sep, "/")
             grids += [f"**{label}**, step {int(names[-1][5:12]):,}:", "",
                       f"![{label}, step {int(names[-1][5:12]):,}]({link})", ""]
