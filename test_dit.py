@@ -2379,11 +2379,11 @@ def compiles_and_reads(stdout):
 @slow
 def test_each_program_compiles_once_and_the_loop_waits_for_the_host_only_where_planned(
         tmp_path, folder_data):
-    """A run's training step compiles once, at its first step, and the grid's sampler, decoder and
-    validation loss once, at the first evaluation, in a new run and in one resumed in a new
-    process, with FSDP's shardings over 2 devices. The host reads from the devices only after the
-    steps that log (every 4), evaluate and checkpoint (every 3) and at the end, and no step
-    transfers anything implicitly (jax.transfer_guard)."""
+    """A run's training step compiles once, at its first step, and the grid's sampler, its
+    conversion to images and the validation loss once, at the first evaluation, in a new run and in
+    one resumed in a new process, with FSDP's shardings over 2 devices. The host reads from the
+    devices only after the steps that log (every 4), evaluate and checkpoint (every 3) and at the
+    end, and no step transfers anything implicitly (jax.transfer_guard)."""
     def run(steps):
         out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", steps,
                                            ["--log-every", "4", "--sample-every", "3", "--fsdp",
@@ -2391,7 +2391,7 @@ def test_each_program_compiles_once_and_the_loop_waits_for_the_host_only_where_p
                       devices=2, patch=RECORD_COMPILES_AND_READS)
         return compiles_and_reads(out.stdout)
 
-    def programs(first_step, first_evaluation):  # "<lambda>": the validation loss
+    def programs(first_step, first_evaluation):  # steps from 0; "<lambda>": the validation loss
         return sorted([(first_step, "jit(train_step)"), (first_evaluation, "jit(run)"),
                        (first_evaluation, "jit(finish)"), (first_evaluation, "jit(<lambda>)")])
 
@@ -2813,11 +2813,11 @@ def test_bench_reports_figures(tmp_path):
             assert float(re.search(r"MFU ([\d.]+)%", lines[name])[1]) == pytest.approx(
                 mfu, rel=0.0001 / step_seconds[name], abs=0.051)
     hours = [float(h) for h in re.findall(r"\d+K steps ([\d.]+) h", lines["hours"])]
+    assert len(hours) == 4, lines["hours"]
     for h, (steps, name) in zip(hours, [(100_000, "train"), (400_000, "train"),
                                         (100_000, "masked"), (400_000, "masked")]):
         # hours printed to 0.1, the step's seconds to 0.0001
         assert h == pytest.approx(steps * step_seconds[name] / 3600, abs=0.051 + steps / 7.2e7)
-    assert len(hours) == 4, lines["hours"]
     assert "the backbone on 2 of 4 tokens" in lines["masked"]
     [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
     assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
