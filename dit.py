@@ -3164,13 +3164,13 @@ class Evaluator:
             self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
         n = device_multiple(16)
         self.shape, self.num_classes = ds.input_shape, ds.num_classes
-        # placed once as the sampler takes them, split over the devices (the key on each), so that
-        # an evaluation moves nothing before it samples
-        self.grid_noise, self.grid_labels, self.grid_key = jax.device_put(
-            (jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape)),
-             spread_labels(n, ds.num_classes), jax.random.key(args.seed + 2)),
-            (NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data")),
-             NamedSharding(mesh, P())))
+
+        def grid_inputs():  # made once where the sampler takes them: an evaluation moves nothing
+            return (jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape)),
+                    jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2))
+        split = NamedSharding(mesh, P("data"))
+        self.grid_noise, self.grid_labels, self.grid_key = jax.jit(
+            grid_inputs, out_shardings=(split, split, NamedSharding(mesh, P())))()
         self.args, self.ref, self.inception, self.reference = args, args.fid_ref, None, None
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
