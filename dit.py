@@ -2397,7 +2397,7 @@ class Stop:
         stops it at the speed since the start (compilation, evaluations and checkpoints included).
         The progress bar's total, so that its ETA is the run's end."""
         now = time.monotonic()
-        if self.deadline == math.inf or done == start:
+        if self.deadline == math.inf:
             return steps
         left = max(self.deadline - now, 0.0) * (done - start) / (now - self.start)  # in steps
         return min(steps, done + int(left))
