@@ -81,6 +81,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
 with warnings.catch_warnings():  # without ipywidgets, tqdm.auto says so and draws text bars
@@ -2421,6 +2422,24 @@ class Stop:
             wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
         return [None, "reached --time-limit", "interrupted"][wanted]
 
+    def last_step(self, start, done, steps):
+        """The step that a run begun at step `start` ends at: `steps`, or sooner where --time-limit
+        stops it at the speed since the start (compilation, evaluations and checkpoints included).
+        The progress bar's total, so that its ETA is the run's end."""
+        now = time.monotonic()
+        if self.deadline == math.inf:
+            return steps
+        left = max(self.deadline - now, 0.0) * (done - start) / (now - self.start)  # in steps
+        return min(steps, done + int(left))
+
+
+def set_total(bar, total):
+    """A running tqdm bar's new total. The text bar reads it at each refresh; a notebook's widget
+    (tqdm.notebook, which tqdm.auto takes where ipywidgets is installed) keeps its own maximum."""
+    bar.total = total
+    if hasattr(bar, "container"):
+        bar.container.children[1].max = total
+
 
 def duration(text):
     """--time-limit: 8h30m, 90m, 45s, 1h (seconds)."""
@@ -2449,6 +2468,20 @@ def setup_distributed(args):
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     elif launched:
         jax.distributed.initialize()
+
+
+def use_compile_cache(directory):
+    """JAX's persistent compilation cache in `directory` ("": none). A run that starts again with
+    the same settings (a notebook after its time limit, a resumed job) loads the programs that the
+    run before compiled rather than compiling them again, minutes on a TPU. Every program is kept,
+    however fast it compiled (JAX's default keeps those that took a second or more), so that the
+    second run compiles nothing. JAX takes the settings at a process's first compilation: a reset
+    lets a notebook's later runs change them."""
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", bool(directory))
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def check_batch_size(batch_size):
@@ -2854,6 +2887,7 @@ class Run:
 def train(args):
     """Train a DiT on args.dataset, from --resume's checkpoint or else run_dir's newest, if any."""
     # The devices, the data, and the model, objective and optimizer that fit it.
+    use_compile_cache(args.compile_cache)  # before anything compiles
     mesh = make_mesh()
     check_batch_size(args.batch_size)
     ds = load_dataset(args.dataset, args.data_dir, args.resolution)
@@ -2893,6 +2927,7 @@ def train(args):
             state, metrics = step_fns(step)(state, x, y)
             log.pending.append(metrics)
             done = step + 1
+            set_total(bar, stop.last_step(start, done, args.steps))
             stopped = stop.reason(done) if done < args.steps else None
             last = done == args.steps or stopped
             if done % args.log_every == 0 or done % args.ckpt_every == 0 or last:
@@ -3167,8 +3202,13 @@ class Evaluator:
             self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
         n = device_multiple(16)
         self.shape, self.num_classes = ds.input_shape, ds.num_classes
-        self.grid_noise = jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape))
-        self.grid_labels = jnp.asarray(spread_labels(n, ds.num_classes))
+
+        def grid_inputs():  # made once where the sampler takes them: an evaluation moves nothing
+            return (jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape)),
+                    jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2))
+        split = NamedSharding(mesh, P("data"))
+        self.grid_noise, self.grid_labels, self.grid_key = jax.jit(
+            grid_inputs, out_shardings=(split, split, NamedSharding(mesh, P())))()
         self.args, self.ref, self.inception, self.reference = args, args.fid_ref, None, None
         if self.ref is None and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
@@ -3193,8 +3233,7 @@ class Evaluator:
         directory, and TensorBoard), the validation loss at each of VAL_TIMES and its mean, FID."""
         args = self.args
         if step % args.sample_every == 0 or step == args.steps:
-            images = self.grid_sampler(params, self.grid_noise, self.grid_labels,
-                                       jax.random.key(args.seed + 2))
+            images = self.grid_sampler(params, self.grid_noise, self.grid_labels, self.grid_key)
             if jax.process_index() == 0:
                 path = os.path.join(args.run_dir, "samples", f"step_{step:07d}.png")
                 log.board.image(step, save_grid(images, path))
@@ -3227,10 +3266,22 @@ class Evaluator:
 #                                 14. Benchmark                                 #
 #################################################################################
 
-# Dense bfloat16 (T4: float16) peak FLOP/s of accelerators, for model FLOPs utilisation (MFU).
+# Dense bfloat16 (T4: float16) peak FLOP/s of one JAX device, for model FLOPs utilisation (MFU):
+# a GPU, or a TPU chip, but for TPU v2 and v3, whose chips' two cores are two JAX devices, each
+# with half its chip's peak (a v3 chip: 123 TFLOP/s). A TPU v4 or v5p chip's two cores are one
+# device ("megacore"); v5e and v6e chips have one core. TPUs go by their exact device_kind (v5e's
+# is "TPU v5 lite", v5p's "TPU v5"), GPUs by a name inside theirs ("NVIDIA H100 80GB HBM3").
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12,
-              "T4": 65e12, "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12,
-              "TPU v3": 123e12, "TPU v2": 45e12}
+              "T4": 65e12, "TPU v2": 45e12 / 2, "TPU v3": 123e12 / 2, "TPU v4": 275e12,
+              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12}
+
+
+def peak_flops(device):
+    """PEAK_FLOPS of one JAX device like `device`, or None where unknown (a CPU)."""
+    if device.platform == "tpu":
+        return PEAK_FLOPS.get(device.device_kind)
+    return next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
 
 
 def random_weights(build, seed=0):
@@ -3313,7 +3364,7 @@ def bench(args):
         return train_step
 
     device = jax.devices()[0]
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
+    peak = peak_flops(device)
     memory = lambda: (device.memory_stats() or {}).get("peak_bytes_in_use")  # noqa: E731
     gib = lambda mem: f"{mem / 2**30:.2f} GiB" if mem else "n/a"  # noqa: E731
     # The masked step first: the peak memory is the largest since the start.
@@ -3327,6 +3378,10 @@ def bench(args):
                else "n/a (unknown peak)")
         return (f"{1000 * seconds:.1f} ms/step | {n / seconds:.1f} images/s | "
                 f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu}")
+
+    def hours(seconds):  # of a step -> the hours of the recipes' folder and ImageNet-100 runs
+        return ", ".join(f"{k // 1000}K steps {k * seconds / 3600:,.1f} h"
+                         for k in (100_000, 400_000))
 
     print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, "
           f"global batch {n}, {args.arch}, {args.precision}"
@@ -3342,6 +3397,7 @@ def bench(args):
               f"{n / masked_s:.1f} images/s, {seconds / masked_s:.2f}x | the backbone on {tokens} "
               f"of {cfg.grid ** 2} tokens | peak memory {gib(masked_mem)}")
         figures |= {"masked_ms_per_step": 1000 * masked_s, "masked_images_per_s": n / masked_s}
+    print(f"  hours:   {hours(seconds)}" + (f" | masked: {hours(masked_s)}" if masking else ""))
     forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
                       in_shardings=(None, batch, batch, batch))
     t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
@@ -3953,6 +4009,11 @@ def build_parser():
                    help="guidance scale of FID samples")
     t.add_argument("--fid-ref", help="reference batch or statistics .npz (imagenet100: "
                    "<data-dir>/fid_ref.npz, else fid_stats.npz)")
+    t.add_argument("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache, "
+                   "where a run that starts again finds its programs compiled (default: "
+                   "$JAX_COMPILATION_CACHE_DIR where set, else compile_cache beside --run-dir)")
+    t.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const="",
+                   help="compile every program anew")
     t.add_argument("--profile", metavar="DIR", help=f"write a jax.profiler trace of steps "
                    f"{PROFILE_STEPS.start + 1} to {PROFILE_STEPS.stop} of this process to DIR "
                    f"(TensorBoard or Perfetto opens it)")
@@ -4045,6 +4106,9 @@ def main(argv=None):
     args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
     args.run_dir = (args.run_dir
                     or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))
+    if args.compile_cache is None:
+        args.compile_cache = (jax.config.jax_compilation_cache_dir
+                              or os.path.join(os.path.dirname(args.run_dir), "compile_cache"))
     return train(args)
 
 

@@ -82,6 +82,15 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
+@pytest.fixture(autouse=True)
+def compilation_cache_off():
+    """A training run that a test starts in this process (dit.main) turns JAX's compilation cache
+    on for the process, beside its run directory: off again after the test, as the process began."""
+    yield
+    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+        dit.use_compile_cache("")
+
+
 def fixture(name):
     """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/. A missing file
     fails the test: a fresh clone holds every file the tests read."""
@@ -2338,6 +2347,143 @@ def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text):
         dit.main(["--time-limit", text])
 
 
+def test_progress_is_shown_against_the_bound_that_comes_first(monkeypatch):
+    """A run bounded by --time-limit ends where the limit stops it, at the speed so far, and the
+    progress bar's total says so (with --steps 100000000, the bar's ETA would otherwise be
+    years); the step count where it comes first, and without a limit."""
+    clock = [1000.0]
+    monkeypatch.setattr(dit.time, "monotonic", lambda: clock[0])
+    stop = dit.Stop(3600)
+    clock[0] += 60  # a minute after the start, a run resumed at step 500 has done 100 steps:
+    assert stop.last_step(500, 600, 100_000_000) == 600 + 59 * 100  # 59 more minutes of them
+    assert stop.last_step(500, 600, 2_000) == 2_000
+    assert dit.Stop(None).last_step(500, 600, 100_000_000) == 100_000_000
+    clock[0] += 3600  # past the limit: the step under way is the last
+    assert stop.last_step(500, 600, 100_000_000) == 600
+
+
+@slow
+def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_data,
+                                                               straight_run):
+    """The README's command for runs bounded by time (`--steps 100000000 --time-limit 20m`) at a
+    tiny size: from the first step on, the bar counts towards the step where the limit will stop
+    the run, and last shows the step where it did. (straight_run has compiled the same step into
+    the session's compilation cache: the limit goes to steps, not to compiling.)"""
+    out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 100_000_000,
+                                       ["--time-limit", "30s", "--log-every", "50",
+                                        "--ckpt-every", "1000"]))
+    last = int(re.search(r"reached --time-limit at step (\d+) of 100000000", out.stdout)[1])
+    bars = [(int(n), int(total)) for n, total in re.findall(r"(\d+)/(\d+) \[", out.stderr)]
+    bars = bars[bars.index((0, 100_000_000)):]  # before the first step, all that it knows
+    assert any(n > 0 for n, _ in bars) and all(total < 100_000_000 for n, total in bars if n > 0)
+    # the deadline may pass between the bar's update and the check that stops the run
+    assert last <= bars[-1][1] <= last + 1, bars[-3:]
+
+
+# Records, in a training run, each compilation (jax.monitoring's backend compile event, which a
+# program loaded from the compilation cache also sends) and each read of a device array by the host,
+# with the step under way: StepTrace is called before each step, and once after the last. The steps
+# after the first run under jax.transfer_guard("disallow"), where an implicit transfer, such as a
+# numpy array or a Python number passed to a jitted function, fails. A CPU's device arrays are host
+# memory and its guard lets their reads pass, hence the record of reads: every read of an array
+# (np.asarray, float, .item(), jax.device_get) goes through ArrayImpl._value.
+RECORD_COMPILES_AND_READS = """
+import atexit, contextlib, json
+import jax
+from jax._src import array
+events, now, guard = [], [None], contextlib.ExitStack()
+def compiled(event, seconds, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        events.append(["compile", now[0], kwargs["fun_name"]])
+jax.monitoring.register_event_duration_secs_listener(compiled)
+value = array.ArrayImpl._value
+def read(self):
+    events.append(["read", now[0], None])
+    return value.fget(self)
+array.ArrayImpl._value = property(read)
+trace, begun = dit.StepTrace.__call__, []
+def step_begins(self, step, state):
+    begun.append(step)
+    if len(begun) == 2:  # the second step, and all after it
+        guard.enter_context(jax.transfer_guard("disallow"))
+    now[0] = step
+    trace(self, step, state)
+dit.StepTrace.__call__ = step_begins
+atexit.register(lambda: print("EVENTS", json.dumps(events)))
+"""
+
+
+def compiles_and_reads(stdout):
+    """(the compilations during the loop as (step under way, program), the steps after which
+    the host read a device array), from RECORD_COMPILES_AND_READS's record."""
+    events = json.loads(re.search("^EVENTS (.*)$", stdout, re.M)[1])
+    compiles = sorted((step, name) for kind, step, name in events
+                      if kind == "compile" and step is not None)
+    return compiles, {step + 1 for kind, step, _ in events if kind == "read" and step is not None}
+
+
+@slow
+def test_each_program_compiles_once_and_the_loop_waits_for_the_host_only_where_planned(
+        tmp_path, folder_data):
+    """A run's training step compiles once, at its first step, and the grid's sampler, its
+    conversion to images and the validation loss once, at the first evaluation, in a new run and in
+    one resumed in a new process, with FSDP's shardings over 2 devices. The host reads from the
+    devices only after the steps that log (every 4), evaluate and checkpoint (every 3) and at the
+    end, and no step transfers anything implicitly (jax.transfer_guard)."""
+    def run(steps):
+        out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", steps,
+                                           ["--log-every", "4", "--sample-every", "3", "--fsdp",
+                                            *VALIDATION]),
+                      devices=2, patch=RECORD_COMPILES_AND_READS)
+        return compiles_and_reads(out.stdout)
+
+    def programs(first_step, first_evaluation):  # steps from 0; "<lambda>": the validation loss
+        return sorted([(first_step, "jit(train_step)"), (first_evaluation, "jit(run)"),
+                       (first_evaluation, "jit(finish)"), (first_evaluation, "jit(<lambda>)")])
+
+    compiles, reads = run(9)
+    assert compiles == programs(0, 2)
+    assert reads == {3, 4, 6, 8, 9}
+    compiles, reads = run(15)  # resumed at step 9
+    assert compiles == programs(9, 11)
+    assert reads == {12, 15}
+
+
+# Counts what JAX's persistent compilation cache did: programs looked up, found, and written.
+COUNT_CACHE = """
+import atexit, collections, json
+import jax
+counts = collections.Counter()
+jax.monitoring.register_event_listener(lambda event, **kwargs: counts.update([event]))
+atexit.register(lambda: print("CACHE", json.dumps(counts)))
+"""
+
+
+@slow
+def test_a_second_run_loads_every_program_from_the_compilation_cache(tmp_path, folder_data):
+    """The compilation cache is on by default, in compile_cache beside the run directory: a second
+    process with the same settings loads every program that the first compiled and compiles none.
+    --no-compile-cache leaves it alone."""
+    cache = tmp_path / "runs" / "compile_cache"
+
+    def run(name, *extra):
+        # JAX_COMPILATION_CACHE_DIR empty: the test session's shared cache would take precedence
+        out = run_dit(tmp_path, train_args(folder_data, tmp_path / "runs" / name, 3,
+                                           [*VALIDATION, *extra]),
+                      patch=COUNT_CACHE, env={"JAX_COMPILATION_CACHE_DIR": ""})
+        counts = json.loads(re.search("^CACHE (.*)$", out.stdout, re.M)[1])
+        return [counts.get(f"/jax/compilation_cache/{event}", 0)
+                for event in ("compile_requests_use_cache", "cache_hits", "cache_misses")]
+
+    requests, hits, writes = run("first")
+    assert requests > 0 and hits == 0 and writes == requests
+    entries = sorted(cache.glob("*-cache"))  # one file a program
+    assert len(entries) == requests
+    assert run("second") == [requests, requests, 0]
+    assert run("third", "--no-compile-cache") == [0, 0, 0]
+    assert sorted(cache.glob("*-cache")) == entries
+
+
 # DiT+ (RoPE on the kept tokens) with deferred masking, every patch after step 3, checkpoints every
 # 2 steps.
 MASKING = ["--arch", "dit+", "--mask-ratio", "0.5", "--mixer-depth", "1", "--ckpt-every", "2",
@@ -2688,21 +2834,36 @@ print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n
 @slow
 def test_bench_reports_figures(tmp_path):
     """The figures bench prints agree with each other: images/s is the batch over the time of a
-    step, FID-N's phases add up to its total, N over the total is its images/s; the traces hold
-    the timed steps and not the compiling one."""
+    step, MFU the model's FLOP/s over the peak of every device (the CPU's given one here), the
+    hours of 100K and 400K steps those of the step's time, FID-N's phases add up to its total, N
+    over the total is its images/s; the traces hold the timed steps and not the compiling one."""
     profile = tmp_path / "profile"
     out = run_dit(tmp_path, ["bench", "--size", "T", "--patch", "2", "--image-size", "4",
                              "--batch-size", "4", "--precision", "fp32", "--steps", "2", "--fid",
                              "6", "--profile", str(profile), "--mask-ratio", "0.5",
-                             "--mixer-depth", "1"], devices=2)
+                             "--mixer-depth", "1"], devices=2, patch='dit.PEAK_FLOPS["cpu"] = 1e9')
     lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines()}
-    for name in ("train", "masked", "forward"):
+    cfg = dit.dit_config("T/2", input_size=4, in_channels=4, num_classes=1000, learn_sigma=False,
+                         hidden_size=32, depth=2, num_heads=2)  # the DRIVER's T, rf's output
+    step_seconds = {}
+    for name, flops in [("train", 3 * dit.dit_flops(cfg) * 4), ("masked", None),
+                        ("forward", dit.dit_flops(cfg) * 4)]:
         figures = {unit: float(value) for value, unit in
                    re.findall(r"([\d.]+) (s|ms/step|images/s|TFLOP/s)", lines[name])}
         assert figures["s"] > 0 and figures["ms/step"] > 0, lines[name]
         # ms/step is printed to 0.1
         assert figures["ms/step"] == pytest.approx(1000 * 4 / figures["images/s"], abs=0.051)
-        assert "MFU n/a" in lines[name] or name == "masked"  # a CPU has no known peak
+        step_seconds[name] = figures["ms/step"] / 1000
+        if flops:  # MFU is printed to 0.1%
+            mfu = 100 * flops / step_seconds[name] / (1e9 * 2)
+            assert float(re.search(r"MFU ([\d.]+)%", lines[name])[1]) == pytest.approx(
+                mfu, rel=0.0001 / step_seconds[name], abs=0.051)
+    hours = [float(h) for h in re.findall(r"\d+K steps ([\d.]+) h", lines["hours"])]
+    assert len(hours) == 4, lines["hours"]
+    for h, (steps, name) in zip(hours, [(100_000, "train"), (400_000, "train"),
+                                        (100_000, "masked"), (400_000, "masked")]):
+        # hours printed to 0.1, the step's seconds to 0.0001
+        assert h == pytest.approx(steps * step_seconds[name] / 3600, abs=0.051 + steps / 7.2e7)
     assert "the backbone on 2 of 4 tokens" in lines["masked"]
     [fid_line] = [line for name, line in lines.items() if name.startswith("FID-6")]
     assert "32x32 images" in fid_line  # the SD VAE's 8x upsampling of the 4x4 latents
@@ -2727,6 +2888,42 @@ def test_flops_match_the_paper():
              "L/8": 5.01, "L/4": 19.70, "L/2": 80.71, "XL/8": 7.39, "XL/4": 29.05, "XL/2": 118.64}
     for name, gflops in paper.items():
         assert dit.dit_flops(dit.dit_config(name)) / 2e9 == pytest.approx(gflops, rel=0.01), name
+
+
+def test_mfu_divides_by_the_peak_of_one_jax_device():
+    """bench multiplies a device's peak by jax.device_count(). On TPU v2 and v3 a JAX device is one
+    of a chip's two cores, half the chip's dense bfloat16 peak (v2: 45 TFLOP/s, v3: 123); a v4,
+    v5e, v5p or v6e device is a chip (275, 197, 459, 918). TPUs go by their exact device_kind,
+    where v5e's "TPU v5 lite" and v5p's "TPU v5" differ; GPUs by the name in theirs."""
+    def peak(platform, kind):
+        return dit.peak_flops(types.SimpleNamespace(platform=platform, device_kind=kind))
+    assert peak("tpu", "TPU v2") == 45e12 / 2 and peak("tpu", "TPU v3") == 123e12 / 2
+    assert peak("tpu", "TPU v4") == 275e12
+    assert peak("tpu", "TPU v5 lite") == peak("tpu", "TPU v5e") == 197e12
+    assert peak("tpu", "TPU v5") == peak("tpu", "TPU v5p") == 459e12
+    assert peak("tpu", "TPU v6 lite") == 918e12
+    assert peak("gpu", "NVIDIA H100 80GB HBM3") == 989e12
+    assert peak("tpu", "TPU v4 lite") is None and peak("cpu", "cpu") is None
+
+
+@slow
+def test_compiled_training_step_costs_what_dit_flops_counts():
+    """XLA's cost analysis of DiT-S/2's training step, compiled on the CPU and not run, agrees with
+    dit_flops within 5%: three forward passes (the backward pass costs two) of 12.1 GFLOP, 36.3 a
+    training image. XLA counts about 1% more (1.3% at batch 4): the elementwise work that dit_flops
+    leaves out as the paper does (normalisations, GELU, softmax, modulation, the loss), and AdamW's
+    and the EMA's updates, once a step whatever the batch."""
+    cfg = dit.dit_config("S/2", learn_sigma=False)
+    assert dit.dit_flops(cfg) / 1e9 == pytest.approx(12.1, abs=0.05)
+    mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-4)
+    graphdef, state, shardings, _ = traced_init_state(cfg, tx, mesh, False, jnp.float32, None)
+    batch, split = 4 * jax.device_count(), NamedSharding(mesh, P("data"))
+    x, y = spec((batch, 32, 32, 4), sharding=split), spec((batch,), jnp.int32, sharding=split)
+    step = dit.jit_train_step(graphdef, dit.make_objective("rf"), tx, 0.9999, False, 0, mesh,
+                              shardings)
+    flops = step.lower(state, x, y).compile().cost_analysis()["flops"]
+    assert flops / batch / 1e9 == pytest.approx(36.3, rel=0.05)
+    assert flops / (3 * dit.dit_flops(cfg) * batch) == pytest.approx(1.0, rel=0.05)
 
 
 #################################################################################
