@@ -2667,16 +2667,16 @@ def on_every_host():
         raise error
 
 
-def same_data_on_every_host(ds, where):
+def same_data_on_every_host(ds):
     """Every host must read the same dataset: its size sets the data order, the held-out images
     and the number of steps in each collective."""
     found = multihost_utils.process_allgather(np.array([len(ds), ds.num_classes,
                                                          *ds.input_shape], np.int32))
-    if (found != found[0]).any():
+    if (found != found[0]).any():  # found: (processes, 5)
         each = ", ".join(f"{n} samples of {h}x{w}x{c} in {k} classes on process {i}"
-                         for i, (n, k, h, w, c) in enumerate(found.reshape(len(found), -1)))
-        raise InputError(f"the hosts found different data in {where} ({each}): copy the same "
-                         f"prepared data to every host")
+                         for i, (n, k, h, w, c) in enumerate(found))
+        raise InputError(f"the hosts found different data ({each}): copy the same data to every "
+                         f"host (--data-dir)")
 
 
 def run_dir_is_shared(run_dir):
@@ -2861,7 +2861,7 @@ def train(args):
     check_batch_size(args.batch_size)
     with on_every_host():
         ds = load_dataset(args.dataset, args.data_dir, args.resolution)
-    same_data_on_every_host(ds, args.data_dir or default_data_dir(args.dataset))
+    same_data_on_every_host(ds)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
     objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,

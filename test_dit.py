@@ -437,15 +437,15 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
 def test_validation_losses_leave_the_padding_out():
     """The losses of n held-out samples padded to a longer batch are those of the n alone: the
     noise is drawn for the n, and the padding's losses are dropped."""
-    cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=3, hidden_size=16, depth=1,
-                        num_heads=2, num_classes=3, learn_sigma=False)
-    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
+    model = lambda x, t, y: 0.5 * x + y[:, None, None, None]  # noqa: E731  (any function of them)
+    losses = jax.jit(lambda x, y, n: dit.validation_losses(model, dit.RectifiedFlow(), x, y,
+                                                           jax.random.key(1), n),
+                     static_argnums=2)
     x = jax.random.normal(jax.random.key(0), (5, 8, 8, 3))
     y = jnp.arange(5) % 3
-    alone = dit.validation_losses(model, dit.RectifiedFlow(), x, y, jax.random.key(1))
+    alone = losses(x, y, None)
     padding = jax.random.normal(jax.random.key(2), (3, 8, 8, 3))
-    padded = dit.validation_losses(model, dit.RectifiedFlow(), jnp.concatenate([x, padding]),
-                                   jnp.concatenate([y, y[:3]]), jax.random.key(1), n=5)
+    padded = losses(jnp.concatenate([x, padding]), jnp.concatenate([y, y[:3]]), 5)
     assert alone.shape == padded.shape == (len(dit.VAL_TIMES), 5)
     np.testing.assert_allclose(padded, alone, rtol=1e-6)
 
@@ -2467,6 +2467,34 @@ def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, f
         for k in straight:
             np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
     assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
+
+
+@slow
+def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path, folder_data):
+    """Each host reads its own disk; where they found different data, or one lacks the checkpoint
+    to resume from, every host ends before the first step in the same line, naming the process."""
+    copy = tmp_path / "host1" / "data"
+    shutil.copytree(folder_data, copy)
+    os.remove(copy / "squares" / "0.png")
+    run_dirs = [tmp_path / "host0" / "run", tmp_path / "host1" / "run"]
+    codes, outs = two_processes(tmp_path, [train_args(folder_data, run_dirs[0], 2),
+                                           train_args(copy, run_dirs[1], 2)])
+    line = ("error: the hosts found different data (96 samples of 8x8x3 in 2 classes on process 0, "
+            "95 samples of 8x8x3 in 2 classes on process 1): copy the same data to every host "
+            "(--data-dir)")
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert [out.splitlines()[-1] for out in outs] == [line, line], outs
+    # --resume names a file on host 0's disk only (its contents are never read: process 1 has
+    # none, which ends both first)
+    (tmp_path / "host0").mkdir()
+    (tmp_path / "host0" / "step_0000002.npz").touch()
+    argv = train_args(folder_data, "run", 2, ["--resume", "step_0000002.npz"])
+    codes, outs = two_processes(tmp_path, [argv, argv], cwds=[tmp_path / "host0",
+                                                              tmp_path / "host1"])
+    line = "error: process 1: --resume: no checkpoint step_0000002.npz"
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert [out.splitlines()[-1] for out in outs] == [line, line], outs
+    assert not any(os.path.exists(run_dir / "checkpoints") for run_dir in run_dirs)
 
 
 # The README's course section on a pod slice of 2 hosts x 8 devices, each host with a local disk:
