@@ -3210,8 +3210,8 @@ class Evaluator:
                 self.inception = fid_module().load_inception(args.inception)
                 self.reference = fid_module().load_reference(self.ref)
         # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares.
-        # They are padded (by repeats of the first) to a multiple of the devices, which any count
-        # of them then splits over; validation_losses leaves the padding out.
+        # They are padded (by repeats of the first ones) to a multiple of the devices, so that
+        # any count splits over them; validation_losses leaves the padding out.
         k, batch = len(held_out), NamedSharding(mesh, P("data"))
         if k:
             eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
@@ -3243,7 +3243,7 @@ class Evaluator:
 
     def fid(self, params, step, n, log):
         """FID-N and the other scores (fid.scores) of n samples, printed and logged with protocol
-        and count, or, lacking a reference, a note why. Inception and the reference load once."""
+        and count, or, lacking a reference, a note why."""
         if not self.has_ref:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -3494,16 +3494,16 @@ def sample_command(args):
     elif len(settings) > 1:
         raise InputError("several --cfg-scale values or --guidance-interval ranges are compared by "
                          "their FID: give --fid N")
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     with on_every_host():  # each host reads its own copy of each
         fid = fid_module() if args.fid and args.ref else None
         reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
         model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
-        if reference and jax.process_index() == 0:
-            print("loading the Inception network of the scores")
+        if reference:
+            say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
     steps = args.steps or objective.default_steps
     method = args.sampler or objective.default_method
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
         f"{model.cfg.input_size}x{model.cfg.in_channels}, {objective.name}")
     if args.sampler and args.sampler not in objective.METHODS:
