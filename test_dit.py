@@ -2499,10 +2499,12 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
 
 # The README's course section on a pod slice of 2 hosts x 8 devices, each host with a local disk:
 # a folder per process, its working directory, where it runs the README's commands as they are
-# written, with toy sizes added. A DiT-S here is 32 wide and 2 deep. The Frechet distance's square
-# root of two 2048-d covariances of 16 images takes minutes on a 2-core CPU: FID is that of the
-# means alone here (test_frechet_distance_* check the real one); these tests are of the hosts'
-# paths through the collectives.
+# written, with toy sizes added. What differs: a DiT-S here is 32 wide and 2 deep; the processes
+# join by --coordinator (process 1 from SLURM's variables) as a pod slice's would by themselves;
+# the Inception has random weights (--inception); and the Frechet distance's square root of two
+# 2048-d covariances of 16 images, which takes minutes on a 2-core CPU, is replaced by the distance
+# of the means (test_fid_frechet_distance_* test the real one): these tests are of the hosts' paths
+# through the collectives.
 COURSE = """
 dit.DIT_SIZES["S"] = dict(hidden_size=32, depth=2, num_heads=2)
 fid.frechet_distance = lambda mu1, sigma1, mu2, sigma2: float(((mu1 - mu2) ** 2).sum())
@@ -2554,7 +2556,7 @@ def course_hosts(tmp_path, data, fid_ref_on=(0, 1)):
 
 
 def course_train(inception_weights):
-    """Step 3's command, with toy sizes added."""
+    """Step 3's command, with toy sizes added: batches of 16, 4 steps, FID-16 of 2-step samples."""
     return ["--size", "S", "--dataset", "imagenet100", "--data-dir", "in100-256/",
             "--val-images", "1000", "--batch-size", "16", "--steps", "4", "--final-fid", "16",
             "--sample-steps", "2", "--inception", inception_weights]
