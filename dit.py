@@ -2670,6 +2670,8 @@ def on_every_host():
 def same_data_on_every_host(ds):
     """Every host must read the same dataset: its size sets the data order, the held-out images
     and the number of steps in each collective."""
+    if jax.process_count() == 1:
+        return
     found = multihost_utils.process_allgather(np.array([len(ds), ds.num_classes,
                                                          *ds.input_shape], np.int32))
     if (found != found[0]).any():  # found: (processes, 5)
@@ -3169,8 +3171,10 @@ def reference_on_every_host(paths):
     has, which every process must then have, as FID runs on all; or the last, found by none."""
     if not paths:
         return None, False
-    have = multihost_utils.process_allgather(np.array([os.path.isfile(p) for p in paths], np.int32))
-    for path, hosts in zip(paths, have.T):  # have: (processes, len(paths))
+    have = np.array([[os.path.isfile(p) for p in paths]], np.int32)  # (processes, len(paths))
+    if jax.process_count() > 1:
+        have = multihost_utils.process_allgather(have[0])
+    for path, hosts in zip(paths, have.T):
         if hosts.any() and not hosts.all():
             raise InputError(f"process {np.argmin(hosts)} has no {path}, the FID reference that "
                              f"process {np.argmax(hosts)} has: copy it to that path on process "
