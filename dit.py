@@ -3190,8 +3190,9 @@ class Evaluator:
     labels each time, so that they compare; FID against --fid-ref or the prepared ImageNet-100's."""
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
-        vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
-               if ds.is_latent else None)
+        with on_every_host():  # each host's own VAE weights
+            vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
+                   if ds.is_latent else None)
         sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
                                     latent_scale=ds.latent_scale, steps=args.sample_steps,
                                     method=objective.default_method)
@@ -3521,11 +3522,12 @@ def sample_command(args):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
+    with on_every_host():  # each host's own VAE weights
+        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+               if latent_scale else None)
     make_sampler = functools.partial(
         Sampler, nnx.graphdef(model), objective, mesh, steps=steps, method=method,
-        guidance_channels=3 if args.guidance_channels == "3" else None,
-        vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
-             if latent_scale else None),
+        guidance_channels=3 if args.guidance_channels == "3" else None, vae=vae,
         latent_scale=latent_scale, return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
