@@ -2668,8 +2668,8 @@ def on_every_host():
 
 
 def same_data_on_every_host(ds):
-    """Every host must read the same dataset: its size sets the data order, the held-out images
-    and the number of steps in each collective."""
+    """Every host must read the same dataset: its size sets the data order and the held-out
+    images, its classes and shape the model; a host with another copy feeds other batches."""
     if jax.process_count() == 1:
         return
     found = multihost_utils.process_allgather(np.array([len(ds), ds.num_classes,
