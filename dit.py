@@ -30,11 +30,12 @@ and drives them. Part III reads the files from outside, checking every claim the
      12. The training loop                the mesh, the run directory, train()
      13. Sampling and evaluation          grids, FID samples, weights from any file
      14. Benchmark                        images/s, MFU and memory
-     15. Command line                     python dit.py [train|sample|export|bench], one-line errors
+     15. Reports                          runs side by side: curves.png and report.md
+     16. Command line                     python dit.py [train|sample|...|report], one-line errors
     Part III: files from outside
-     16. Pickles and PyTorch files        a restricted unpickler; torch files without torch
-     17. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
-     18. JSON and downloads               checked JSON, verified downloads
+     17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
+     18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
+     19. JSON and downloads               checked JSON, verified downloads
 
 Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
 call main(["--size", "S", ...]) with the same arguments.
@@ -131,6 +132,31 @@ def one_line(e):
         message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
     # A message can quote another library's error text, which may span lines.
     return "error: " + " ".join(message.splitlines())
+
+
+# The oldest releases this file runs on: flax 0.12.0 brought nnx.List and needs jax 0.7.1; optax
+# 0.2.5 brought optax.tree. Checked at import, so that an older notebook image ends in one line.
+MINIMUM_VERSIONS = {"jax": "0.7.1", "flax": "0.12.0", "optax": "0.2.5"}
+
+
+def check_versions(installed):
+    """InputError naming the packages of `installed` ({name: version}) older than they must be."""
+    number = lambda v: tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", v).group().split("."))
+    old = [name for name, v in installed.items() if number(v) < number(MINIMUM_VERSIONS[name])]
+    if old:
+        found = ", ".join(f"{name} {installed[name]}" for name in old)
+        need = [f"{name}>={MINIMUM_VERSIONS[name]}" for name in old]
+        extras = " (for jax on a TPU or GPU: jax[tpu] or jax[cuda12])" if "jax" in old else ""
+        raise InputError(f"found {found}; this code needs {', '.join(need)}: pip install -U "
+                         f"{' '.join(repr(n) for n in need)}{extras}, then restart Python")
+
+
+try:
+    check_versions({name: sys.modules[name].__version__ for name in MINIMUM_VERSIONS})
+except InputError as e:
+    if hasattr(sys.modules["__main__"], "__file__"):  # a script, not a notebook or a prompt
+        raise SystemExit(one_line(e)) from None
+    raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1215,8 +1241,10 @@ def attention_implementation(dtype, head_dim, device=None):
 
 def matmul_precision(dtype):
     """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
-    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes."""
-    if dtype == jnp.float32:
+    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes, and
+    where the caller chose a precision (jax.default_matmul_precision), as prepare_imagenet100.py
+    does for the VAE."""
+    if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()
 
@@ -2246,11 +2274,12 @@ def list_checkpoints(run_dir):
                   if f.startswith("step_") and f.endswith(".npz"))
 
 
-def read_checkpoint(path):
-    """(metadata, arrays) of a checkpoint via read_npz: no pickle, and no size taken on trust."""
+def read_checkpoint(path, names=None):
+    """(metadata, arrays) of a checkpoint via read_npz: no pickle, and no size taken on trust. With
+    `names`, only those arrays are read."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
-        arrays = read_npz(path)
+        arrays = read_npz(path, None if names is None else ["__meta__", *names])
         meta = json.loads(str(arrays.pop("__meta__")))
     except InputError as e:
         raise InputError(f"{path} is not a readable DiT checkpoint "
@@ -2294,7 +2323,8 @@ def export_ema(ckpt_path, out_path):
                for name, value in named_params(model).items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
-    header = {key: json.dumps(meta.get(key)) for key in ("model", "objective", "latent_scale")}
+    header = {key: json.dumps(meta.get(key))
+              for key in ("model", "objective", "latent_scale", "step")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
 
@@ -2778,6 +2808,21 @@ class TensorBoard:
             self.write(step, [self.summary.Value(tag="samples", image=image)])
 
 
+def read_metrics(path):
+    """The records of a metrics.jsonl, each a dict with a whole "step". A line that a killed run cut
+    short, or that is not a record, is left out."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
+
+
 class MetricsLog:
     """A run's metrics.jsonl, one JSON record per line, written by process 0. A run resumed at
     `start` first drops later steps' records (and a line a crash cut short), so each step appears
@@ -2790,17 +2835,9 @@ class MetricsLog:
         self.last = {}  # the newest value of each figure, for the summary of the run
         self.board = TensorBoard(run_dir, start) if jax.process_index() == 0 else None
         if jax.process_index() == 0 and os.path.exists(self.path):
-            kept = []
-            # A line that a crash cut short, or that is not a record, is dropped with the rest.
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    try:
-                        step = json.loads(line).get("step")
-                    except (ValueError, RecursionError, AttributeError):  # AttributeError: no dict
-                        continue
-                    if isinstance(step, int) and step <= start:
-                        kept.append(line)
-            write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
+            kept = "".join(json.dumps(r) + "\n" for r in read_metrics(self.path)
+                           if r["step"] <= start)
+            write_atomically(self.path, lambda f: f.write(kept.encode()))
 
     def write(self, record):
         self.last |= record
@@ -2987,6 +3024,7 @@ def load_model(path, dtype=jnp.float32):
         tensors, raw = read_safetensors(path)
         try:
             meta = {key: json.loads(raw[key]) for key in ("model", "objective", "latent_scale")}
+            meta["step"] = json.loads(raw.get("step", "null"))  # None where the file does not say
         except (KeyError, ValueError, RecursionError):
             raise InputError(f"{path} has no model configuration in its metadata; was it written "
                              f"by `dit.py export`?") from None
@@ -3434,7 +3472,293 @@ def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
 
 
 #################################################################################
-#                                15. Command line                               #
+#                                  15. Reports                                  #
+#################################################################################
+
+# `python dit.py report RUN [RUN ...] --out DIR`: a week's figure and table from run directories
+# alone. Nothing is evaluated again: every number is one that a run logged. metrics.jsonl records no
+# clock; a run's hours are the sum of its logged seconds per step, which leave out the evaluations
+# and checkpoints (MetricsLog.paused), so they are the hours of training.
+
+def run_of(path):
+    """The run directory that holds the weight file `path` (RUN/checkpoints/step_XXXXXXX.npz or
+    RUN/ema.safetensors), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(folder) == "checkpoints":
+        folder = os.path.dirname(folder)
+    return folder if os.path.isfile(os.path.join(folder, "run.json")) else None
+
+
+def as_number(value):
+    """A logged figure as a float; NaN, a gap in a curve, where it is missing or None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else math.nan
+
+
+class RunRecords:
+    """A run directory as a report reads it: run.json's settings, and metrics.jsonl's records by
+    kind, each in step order: training, validation, FID during training, and `sample --fid`'s."""
+
+    def __init__(self, run_dir):
+        self.dir = run_dir
+        path = os.path.join(run_dir, "run.json")
+        if not os.path.isfile(path):
+            raise InputError(f"{run_dir} is not a run directory: it has no run.json, which train "
+                             f"writes in its --run-dir")
+        self.settings = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
+                                  "the run directory is damaged")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        records = sorted(read_metrics(path) if os.path.isfile(path) else [],
+                         key=lambda r: r["step"])
+        self.train = [r for r in records if "loss" in r]
+        if not self.train:
+            raise InputError(f"{run_dir} has no metrics yet: a run logs its first record after "
+                             f"--log-every steps")
+        self.val = [r for r in records if "val_loss" in r]
+        self.fid = [r for r in records if "fid" in r and "cfg_scale" not in r]
+        self.sweep = [r for r in records if "fid" in r and "cfg_scale" in r]
+        steps = [0] + [r["step"] for r in self.train]
+        seconds = np.diff(steps) * self.values(self.train, "s_per_step")
+        self.hours = steps, np.concatenate([[0.0], np.nancumsum(seconds) / 3600])
+
+    @staticmethod
+    def values(records, key, entry=None):
+        """(N,) the figure `key` of each record (its `entry` where the figure is a dict)."""
+        values = [r.get(key) for r in records]
+        return np.array([as_number(v.get(entry) if isinstance(v, dict) else None) if entry
+                         else as_number(v) for v in values])
+
+    def x(self, records, axis):
+        """(N,) the records' steps, or the hours of training at those steps (axis "hours")."""
+        steps = np.array([r["step"] for r in records], float)
+        return np.interp(steps, *self.hours) if axis == "hours" else steps
+
+
+def setting_option(settings, key):
+    """A run's setting as the option that gives it ("--arch dit+", "--no-ema-warmup"): "" for a
+    DiT+ switch that the run's --arch sets anyway, or a setting it lacks (which it had off)."""
+    value, name = settings.get(key), "--" + key.replace("_", "-")
+    if key == "masking":
+        return (f"--mask-ratio {as_number(value.get('mask_ratio')):g} --mixer-depth "
+                f"{value.get('mixer_depth')}" if isinstance(value, dict) else "--mask-ratio 0")
+    if key in ARCHS["dit"] and bool(value) == ARCHS.get(settings.get("arch"), {}).get(key):
+        return ""
+    if key in ("dataset_size", "num_classes") and isinstance(value, int):
+        return f"{value:,} {'images' if key == 'dataset_size' else 'classes'}"
+    if isinstance(value, bool) or key in ARCHS["dit"]:
+        return name if value else "--no-" + name[2:]
+    if isinstance(value, list):
+        return " ".join([name, *(f"{as_number(v):g}" for v in value)])
+    if value is None:
+        return ""
+    return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+
+
+def run_labels(runs):
+    """Each run named by the options where its settings differ from the others'; by its folder's
+    name as well where that leaves it unnamed or named as another is."""
+    keys = list(dict.fromkeys(k for run in runs for k in run.settings))
+    options = [{k: setting_option(run.settings, k) for k in keys} for run in runs]
+    differ = [k for k in keys if len({o[k] for o in options}) > 1]
+    labels = [" ".join(o[k] for k in differ if o[k]) for o in options]
+    return [label if label and labels.count(label) == 1
+            else f"{os.path.basename(os.path.normpath(run.dir))} {label}".rstrip()
+            for run, label in zip(runs, labels)]
+
+
+def smoothed(values, share=0.02):
+    """(N,) the mean of each value and those before it over `share` of the N: the trend of a noisy
+    figure (the training loss, images/s)."""
+    w = max(1, round(share * len(values)))
+    total, i = np.concatenate([[0.0], np.cumsum(values)]), np.arange(1, len(values) + 1)
+    return (total[i] - total[np.maximum(i - w, 0)]) / np.minimum(i, w)
+
+
+def scored(record):
+    """How a record's scores were measured: "10K samples, adm"."""
+    return f"{as_number(record.get('fid_samples')) / 1000:g}K samples, {record.get('fid_protocol')}"
+
+
+# The panels of FID and fid.py's other scores (the keys of their records, the panel's name).
+SCORE_PANELS = ((("fid",), "FID"), (("sfid",), "sFID"), (("inception_score",), "Inception Score"),
+                (("precision", "recall"), "Precision and Recall"))
+
+
+def report_panels(runs, axis):
+    """curves.png's rows of panels that some run has figures for: training; validation at each
+    noise level; FID and the other scores; guidance sweeps. A panel is (title, x label, y label,
+    [(run index, xs, ys, line options)], [legend entries]), the entries (label, line options) for
+    its own legend where a colour alone does not say what a line is."""
+    xlabel = "hours of training" if axis == "hours" else "training steps"
+    loss, val, speed = [], [], []
+    for i, run in enumerate(runs):
+        x = run.x(run.train, axis)
+        for lines, key in ((loss, "loss"), (speed, "images_per_s")):  # as logged, and the trend
+            y = run.values(run.train, key)
+            finite = np.isfinite(y)
+            lines += [(i, x, y, dict(alpha=0.25, linewidth=0.7)),
+                      (i, x[finite], smoothed(y[finite]), dict(linewidth=1.5))]
+        val.append((i, run.x(run.val, axis), run.values(run.val, "val_loss"), {}))
+    validated = any(run.val for run in runs)
+    training = [("training loss (faint: as logged)", xlabel, "loss", loss, []),
+                ("training speed (faint: as logged)", xlabel, "images/s", speed, [])]
+    if validated:
+        training.insert(1, ("validation loss, mean of the noise levels", xlabel, "loss", val, []))
+    levels = [(f"validation loss at t = {t:g}", xlabel, "loss",
+               [(i, run.x(run.val, axis), run.values(run.val, "val_loss_t", f"{t:g}"), {})
+                for i, run in enumerate(runs)], []) for t in VAL_TIMES if validated]
+    # FID and the other scores during training: a marker for each sample count and protocol, and a
+    # line style for precision and recall, named in the panel's legend where there are several.
+    kinds = sorted({scored(r) for run in runs for r in run.fid})
+    markers = {kind: dict(marker="os^vD<>"[j % 7]) for j, kind in enumerate(kinds)}
+    styles = {"precision": dict(linestyle="-"), "recall": dict(linestyle="--")}
+    scores = []
+    for keys, title in SCORE_PANELS:
+        lines = []
+        for i, run in enumerate(runs):
+            for kind in kinds:
+                group = [r for r in run.fid if scored(r) == kind]
+                lines += [(i, run.x(group, axis), run.values(group, key),
+                           {**markers[kind], **styles.get(key, {})}) for key in keys if group]
+        if any(np.isfinite(ys).any() for _, _, ys, _ in lines):
+            entries = ([(kind, markers[kind]) for kind in kinds] if len(kinds) > 1 else []) + (
+                [(key, styles[key]) for key in keys] if len(keys) > 1 else [])
+            ylabel = title if len(kinds) > 1 else f"{title} ({kinds[0]})"
+            scores.append((f"{title} during training", xlabel, ylabel, lines, entries))
+    # `sample --fid` sweeps of the guidance scale: each run's newest, a line per guidance setting
+    # and sample count, each named in the panel's legend.
+    sweeps = []
+    for keys, title in (SCORE_PANELS[0], SCORE_PANELS[-1]):
+        lines, entries = [], []
+        for i, run in enumerate(runs):
+            newest = [r for r in run.sweep if r["step"] == run.sweep[-1]["step"]]
+            settings = {}  # (guidance interval, guided channels, how scored) -> {scale: record}
+            for r in newest:  # the newest record of each scale
+                setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r))
+                settings.setdefault(setting, {})[as_number(r["cfg_scale"])] = r
+            for j, ((interval, channels, kind), by_scale) in enumerate(settings.items()):
+                group = [by_scale[s] for s in sorted(by_scale)]
+                style = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7])
+                lines += [(i, np.array(sorted(by_scale)), run.values(group, key),
+                           {**style, **styles.get(key, {})}) for key in keys]
+                where = "" if interval == "None" else f", guided in {interval}"
+                which = "" if channels in (None, "all") else f", {channels} channels guided"
+                entries.append((f"step {newest[0]['step']:,}, {kind}{where}{which}", style))
+        entries += [(key, dict(color="grey", **styles[key])) for key in keys if len(keys) > 1]
+        if lines:
+            sweeps.append((f"{title} by guidance (sample --fid)", "guidance scale", title, lines,
+                           entries))
+    return [row for row in (training, levels, scores, sweeps) if row]
+
+
+def report_figure(runs, labels, axis):
+    """curves.png's matplotlib Figure: a panel per figure, a colour per run, named in its legend."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter
+    panels = report_panels(runs, axis)
+    cols = max(map(len, panels))
+    # A Figure of its own, not pyplot's: no backend to choose, nothing kept once it is returned.
+    fig = Figure(figsize=(4.2 * cols, 3.3 * len(panels) + 0.3 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(panels), cols, squeeze=False)
+    for row, axes_row in zip(panels, axes):
+        for ax, (title, xlabel, ylabel, lines, entries) in zip(axes_row, row):
+            for i, xs, ys, style in lines:
+                ax.plot(xs, ys, **{"color": f"C{i % 10}", "markersize": 4, **style})
+            ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+            ax.title.set_fontsize("medium")
+            if xlabel == "training steps":
+                ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 400k, not 400000
+            ax.grid(alpha=0.3)
+            if entries:
+                ax.legend(handles=[Line2D([], [], **{"color": "grey", **style}, label=label)
+                                   for label, style in entries], fontsize="x-small")
+        for ax in axes_row[len(row):]:
+            ax.remove()
+    fig.legend(handles=[Line2D([], [], color=f"C{i % 10}", label=label)
+                        for i, label in enumerate(labels)], loc="outside upper center",
+               ncols=1 if len(labels) > 3 or max(map(len, labels)) > 40 else len(labels))
+    return fig
+
+
+def run_parameters(run_dir):
+    """The parameter count of the model in a run's newest checkpoint, read from its metadata
+    alone; None before the first checkpoint."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    meta, _ = read_checkpoint(found[-1], names=[])
+    deepest = max(size["depth"] for size in DIT_SIZES.values())  # a run's model has a --size
+    return count_params(model_of_metadata(found[-1], meta, deepest, jnp.float32)[0])
+
+
+def report_table(runs, labels, out, curves):
+    """report.md's text: curves.png where it is drawn, a row per run, then the newest grid of each,
+    linked from `out`."""
+    lines = ["| run | settings | parameters | steps | hours | images/s (median) | val loss, last "
+             "| val loss, best | latest FID |", "|" + " --- |" * 9]
+    grids = []
+    for run, label in zip(runs, labels):
+        step = run.train[-1]["step"]
+        count = run_parameters(run.dir)
+        val, val_steps = run.values(run.val, "val_loss"), [r["step"] for r in run.val]
+        known = np.isfinite(val)
+        last = f"{val[known][-1]:.4f}" if known.any() else ""
+        best = (f"{np.nanmin(val):.4f} at step {val_steps[int(np.nanargmin(val))]:,}"
+                if known.any() else "")
+        fid = run.fid[-1] if run.fid else None
+        fid = f"{as_number(fid['fid']):.2f} ({scored(fid)}, step {fid['step']:,})" if fid else ""
+        speed = np.nanmedian(run.values(run.train, "images_per_s"))
+        cells = [run.dir, f"`{label}`", f"{count:,}" if count else "", f"{step:,}",
+                 f"{run.hours[1][-1]:.2f}", f"{speed:.1f}", last, best, fid]
+        lines.append("| " + " | ".join(cells) + " |")
+        samples = os.path.join(run.dir, "samples")
+        names = sorted(n for n in os.listdir(samples) if re.fullmatch(r"step_\d{7}\.png", n)
+                       ) if os.path.isdir(samples) else []
+        if names:  # the newest grid
+            link = os.path.relpath(os.path.join(samples, names[-1]), out).replace(os.sep, "/")
+            grids += [f"**{label}**, step {int(names[-1][5:12]):,}:", "",
+                      f"![{label}, step {int(names[-1][5:12]):,}]({link})", ""]
+    text = ["# Runs", "", *(["![curves](curves.png)", ""] if curves else []), *lines, ""]
+    return "\n".join(text + (["## Samples", "", *grids] if grids else []))
+
+
+@dataclasses.dataclass
+class Report:
+    """What `report` returns: the files it wrote, and the matplotlib Figure (for code that inspects
+    or restyles it). A notebook shows the figure as the cell's output."""
+    markdown: str
+    curves: str
+    figure: object = dataclasses.field(repr=False)
+
+    def _repr_png_(self):
+        with open(self.curves, "rb") as f:
+            return f.read()
+
+
+def report(run_dirs, out, axis="steps"):
+    """report.md and curves.png in `out` for the run directories `run_dirs`, against training
+    steps or hours of training (`axis`). Without matplotlib: report.md, and a line to say so."""
+    runs = [RunRecords(d) for d in run_dirs]
+    labels = run_labels(runs)
+    try:
+        import matplotlib  # optional, as tensorboard is: Colab and Kaggle have it
+    except ImportError:
+        matplotlib = None
+    os.makedirs(out, exist_ok=True)
+    markdown, curves = os.path.join(out, "report.md"), os.path.join(out, "curves.png")
+    with open(markdown, "w", encoding="utf-8") as f:
+        f.write(report_table(runs, labels, out, curves=matplotlib is not None))
+    if matplotlib is None:
+        raise InputError(f"wrote {markdown}; curves.png needs matplotlib: pip install matplotlib")
+    fig = report_figure(runs, labels, axis)
+    fig.savefig(curves, dpi=100)
+    print(f"{len(runs)} run{'s' * (len(runs) > 1)} -> {curves}, {markdown}")
+    return Report(markdown, curves, fig)
+
+
+#################################################################################
+#                                16. Command line                               #
 #################################################################################
 
 def run_cli(main, argv=None):
@@ -3487,7 +3811,8 @@ def flag(name):
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
     scores, once per guidance setting (every --cfg-scale with every --guidance-interval), each from
-    the same noise, so that their rows compare."""
+    the same noise, so that their rows compare. The scores of a run's weights join its
+    metrics.jsonl, each with its guidance setting, for `report`."""
     mesh = make_mesh()
     scales = args.cfg_scale or [FID_CFG_SCALE if args.fid else GRID_CFG_SCALE]
     intervals = args.guidance_interval or [None]
@@ -3507,6 +3832,8 @@ def sample_command(args):
         if reference:
             say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
+    # the run that the weights are a step of, whose metrics the scores join
+    run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     steps = args.steps or objective.default_steps
     method = args.sampler or objective.default_method
     say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
@@ -3550,6 +3877,19 @@ def sample_command(args):
                 result = evaluate_samples(images, reference, inception)
                 print(f"{setting}: {fid.describe(result)}")
                 scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
+                if run_dir and jax.process_index() == 0:
+                    figures = {k: v for k, v in scores[setting].items()
+                               if k not in ("count", "protocol")}
+                    record = {"step": meta["step"], "cfg_scale": scale,
+                              "guidance_interval": interval,
+                              "guidance_channels": args.guidance_channels, "sampler": method,
+                              "sample_steps": steps, "fid_samples": result["count"],
+                              "fid_protocol": result["protocol"], **figures}
+                    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                        f.write(json.dumps(record) + "\n")
+        if run_dir and reference:
+            say(f"the scores joined {os.path.join(run_dir, 'metrics.jsonl')} (`dit.py report` "
+                f"draws them)")
         return scores  # what a notebook shows: the scores of each setting, not the features
     sampler = make_sampler(cfg_scale=scales[0], interval=intervals[0])
     n = device_multiple(args.n)
@@ -3635,8 +3975,8 @@ def build_parser():
 
     parser = OneLineParser(
         prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
-        description="Train (the default command), sample, export and benchmark DiT models; "
-                    "`dit.py COMMAND --help` lists a command's options.")
+        description="Train (the default command), sample, export and benchmark DiT models, and "
+                    "report on runs; `dit.py COMMAND --help` lists a command's options.")
     sub = parser.add_subparsers(dest="command")
     t = sub.add_parser("train", help="train a DiT (the default command)", formatter_class=recipes,
                        epilog=recipes_table(), parents=[model_options(), weights, hosts])
@@ -3742,13 +4082,22 @@ def build_parser():
                    help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
     b.add_argument("--profile", metavar="DIR", help="write jax.profiler traces of the timed steps "
                    "to DIR/train, DIR/forward and DIR/fid (TensorBoard or Perfetto opens them)")
+
+    r = sub.add_parser("report", help="runs side by side: their curves in curves.png, a table "
+                       "and their newest grids in report.md")
+    r.add_argument("runs", nargs="+", metavar="RUN", help="run directories (train's --run-dir)")
+    r.add_argument("--out", required=True, help="the folder to write curves.png and report.md in")
+    r.add_argument("--x", choices=["steps", "hours"], default="steps", help="the curves' axis: "
+                   "training steps, or hours of training (the logged seconds of the steps; "
+                   "evaluations and checkpoints left out)")
     return parser
 
 
 def main(argv=None):
     """The command line, also callable from a notebook: main(["--dataset", "mnist"])."""
     argv = list(argv) if argv is not None else sys.argv[1:]
-    if not argv or argv[0] not in ("train", "sample", "export", "bench", "-h", "--help"):
+    if not argv or argv[0] not in ("train", "sample", "export", "bench", "report", "-h",
+                                   "--help"):
         argv = ["train", *argv]
     args = build_parser().parse_args(argv)
     if args.command in ("train", "sample"):
@@ -3765,6 +4114,8 @@ def main(argv=None):
         return out
     if args.command == "bench":
         return bench(args)
+    if args.command == "report":
+        return report(args.runs, args.out, args.x)
     vars(args).update({k: v for k, v in RECIPES[args.dataset].items() if getattr(args, k) is None})
     args.val_every = args.val_every or args.sample_every
     args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
@@ -3782,10 +4133,10 @@ def main(argv=None):
 # each claim of the file (a length, a shape, an offset) against what is really there before
 # allocating anything, and that run no code from it. A file that fails a check raises InputError,
 # which names the file and says what to do; the command lines print it as one line (run_cli,
-# section 15). The harness above calls each reader in one line.
+# section 16). The harness above calls each reader in one line.
 
 #################################################################################
-#                  16. Pickles and PyTorch files, without torch                 #
+#                  17. Pickles and PyTorch files, without torch                 #
 #################################################################################
 
 class UnsafePickleError(InputError, pickle.UnpicklingError):
@@ -4145,7 +4496,7 @@ def load_torch(path):
 
 
 #################################################################################
-#             17. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
+#             18. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
 #################################################################################
 
 # Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
@@ -4396,7 +4747,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 
 
 #################################################################################
-#                             18. JSON and downloads                            #
+#                             19. JSON and downloads                            #
 #################################################################################
 
 def read_json(path, valid, expected, fix):

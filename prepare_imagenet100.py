@@ -26,10 +26,18 @@ Output (in OUT, or OUT/val for --split val):
     manifest.json   settings, counts, skipped files and why, warnings, finished chunks, timing
 
 The work is done in chunks; an interrupted run started again with the same arguments skips the
-chunks that the manifest lists as finished.
+chunks that the manifest lists as finished. The VAE's products run at --precision: by default at the
+fastest that stores the float32 latents to float16's rounding (high on TPUs, float32 elsewhere).
+
+On a pod slice, whose hosts have only local disks, run the same command on every host, for instance
+    gcloud compute tpus tpu-vm ssh NAME --worker=all --command="python prepare_imagenet100.py ..."
+with the source copied to each host first. Each host prepares the whole split with its own devices
+onto its own disk and waits for no other, also where jax.distributed joined the processes, so that
+every host ends with the complete data.
 """
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -134,31 +142,24 @@ def collect(c, futures, size):
 #                         Sharded encoding and features                         #
 #################################################################################
 
-def sharded_apply(model, fn, batch_shape, mesh):
-    """Compile fn(model, images) now for uint8 images of batch_shape, the batch split over the
-    mesh's devices and the model replicated. The returned run(images) pads a shorter batch to that
-    shape and returns (device array, number of real rows): the padding's rows are to be dropped."""
-    replicated, data = (NamedSharding(mesh, PartitionSpec()),
-                        NamedSharding(mesh, PartitionSpec("data")))
+def sharded_apply(model, fn, batch_shape, data):
+    """Compile fn(model, images) now for uint8 images of batch_shape with the `data` sharding, the
+    model replicated over its mesh. Returns run(images on the devices) -> device array."""
     graphdef, state = nnx.split(model)
-    state = jax.device_put(state, replicated)
+    state = jax.device_put(state, NamedSharding(data.mesh, PartitionSpec()))
     compiled = jax.jit(lambda state, x: fn(nnx.merge(graphdef, state), x),
                        out_shardings=data).lower(
         state, jax.ShapeDtypeStruct(batch_shape, np.uint8, sharding=data)).compile()
-
-    def run(images):  # (n <= B, R, R, 3)
-        padded = np.zeros(batch_shape, np.uint8)
-        padded[:len(images)] = images
-        return compiled(state, jax.device_put(padded, data)), len(images)
-    return run
+    return functools.partial(compiled, state)
 
 
-def encode_with_flip(vae, images):
+def encode_with_flip(vae, images, precision=None):
     """uint8 (B, R, R, 3) -> float16 (B, 2, h, w, 2C): [image, horizontal flip] x [posterior mean,
-    std]."""
+    std]. A float32 VAE's products run at jax's matmul `precision` (None: float32's)."""
     x = images.astype(jnp.float32) / 127.5 - 1.0  # DiT's Normalize(0.5, 0.5) after ToTensor's /255
     x = jnp.stack([x, x[:, :, ::-1]], axis=1)  # (B, 2, R, R, 3), flipped along W
-    mean, logvar = vae.encode(x.reshape(-1, *x.shape[2:]))  # (2B, h, w, C) each
+    with jax.default_matmul_precision(precision):  # AutoencoderKL's float32 yields to it
+        mean, logvar = vae.encode(x.reshape(-1, *x.shape[2:]))  # (2B, h, w, C) each
     out = jnp.concatenate([mean, jnp.exp(0.5 * logvar)], axis=-1)  # (2B, h, w, 2C)
     return out.reshape(*x.shape[:2], *out.shape[1:]).astype(jnp.float16)
 
@@ -212,8 +213,14 @@ def parse_args(argv):
                    help="store uint8 R x R images instead of latents (no VAE)")
     p.add_argument("--vae", default="ema",
                    help="'ema', 'mse', a diffusers VAE folder or a weight file")
-    p.add_argument("--batch-size", type=dit.positive_int, default=32,
-                   help="global encoding batch (a multiple of the device count)")
+    p.add_argument("--batch-size", type=dit.positive_int,
+                   help="encoding batch of this host, rounded up to a multiple of its device count "
+                   "(default: 32 per device)")
+    p.add_argument("--precision", choices=["default", "high", "highest"],
+                   help="jax's precision of the VAE's float32 matrix products: highest is "
+                   "float32; high is three bfloat16 passes on TPUs, default one; NVIDIA GPUs do "
+                   "both in TF32 (default: high on TPUs, highest elsewhere: one bfloat16 or TF32 "
+                   "pass strays beyond the float16 rounding of the stored latents)")
     p.add_argument("--chunk-size", type=dit.positive_int, default=2048,
                    help="images per resumable chunk")
     p.add_argument("--workers", type=dit.positive_int, default=os.cpu_count(),
@@ -224,8 +231,17 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def default_vae_precision(device):
+    """jax's matmul precision that gives the stored float16 latents of float32's: "high" on TPUs,
+    three bfloat16 passes per product, half the six of "highest". On NVIDIA GPUs "high" is TF32,
+    as "default" is; both stray beyond float16's rounding, so they keep float32 ("highest")."""
+    return "high" if device.platform == "tpu" else "highest"
+
+
 def main(argv=None):
     args = parse_args(argv)
+    args.batch_size = args.batch_size or 32 * jax.local_device_count()
+    args.precision = args.precision or default_vae_precision(jax.local_devices()[0])
     src, out = (os.path.abspath(args.src),
                 os.path.join(args.out, "val") if args.split == "val" else args.out)
     size = args.pixels or args.resolution
@@ -314,15 +330,17 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
     arrays["inception"] and arrays["adm"] with the features of both protocols. Each finished chunk
     is recorded in the manifest with its unreadable files, after its rows are flushed to disk;
     chunks already recorded are skipped."""
+    # This host's devices only: on a pod slice every host prepares the whole split on its own, and
+    # no collective may wait for hosts that finish sooner or later.
     devices = jax.local_devices()
-    mesh = Mesh(np.array(devices), ("data",))
+    data = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
     # a whole number of images per device
     batch = -(-args.batch_size // len(devices)) * len(devices)
-    # (compiled function of a uint8 batch, the array its rows go to)
+    # (compiled function of a uint8 batch on the devices, the array its rows go to)
     t0, steps = time.perf_counter(), []
     if vae is not None:
-        steps.append((sharded_apply(vae, encode_with_flip, (batch, size, size, 3), mesh),
-                      arrays[name]))
+        encode = functools.partial(encode_with_flip, precision=args.precision)
+        steps.append((sharded_apply(vae, encode, (batch, size, size, 3), data), arrays[name]))
     if inception is not None:
         pool3 = lambda net, images: net(images, "pytorch-fid")[0]  # (B, 2048)
 
@@ -331,7 +349,7 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
             return jnp.concatenate([pool, spatial], axis=1)
 
         for fn, key in ((pool3, "inception"), (adm, "adm")):
-            steps.append((sharded_apply(inception, fn, (batch, size, size, 3), mesh),
+            steps.append((sharded_apply(inception, fn, (batch, size, size, 3), data),
                           arrays[key]))
     compile_s = time.perf_counter() - t0
 
@@ -342,18 +360,32 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
                unit="img", desc=f"{args.split} {name}", smoothing=0.1)
     t0, processed, seconds_before = time.perf_counter(), 0, manifest["seconds"]
     pool = concurrent.futures.ThreadPoolExecutor(args.workers)
+
+    def read_back(b, n, results):  # rows b..b+n of a dispatched batch; the padding's are dropped
+        for result, dest in results:
+            dest[b:b + n] = np.asarray(result)[:n]
+        bar.update(n)
+
     try:
         for c, images, reasons in decoded_chunks(pool, src, files, todo, size):
             lo = c * args.chunk_size
+            in_flight = None  # (b, n, results) of the batch dispatched last
             for b in range(lo, lo + len(images), batch):
                 part = images[b - lo:b - lo + batch]
                 if vae is None:
                     arrays[name][b:b + len(part)] = part
-                # all dispatched before waiting on any
-                results = [(fn(part), dest) for fn, dest in steps]
-                for (result, n), dest in results:
-                    dest[b:b + n] = np.asarray(result)[:n]
-                bar.update(len(part))
+                results = []
+                if steps:
+                    padded = np.zeros((batch, size, size, 3), np.uint8)
+                    padded[:len(part)] = part
+                    x = jax.device_put(padded, data)  # one transfer, which every step reads
+                    results = [(fn(x), dest) for fn, dest in steps]
+                # JAX dispatches asynchronously: the devices work on this batch while the last one
+                # is read back.
+                if in_flight:
+                    read_back(*in_flight)
+                in_flight = b, len(part), results
+            read_back(*in_flight)
             for array in arrays.values():
                 array.flush()
             skipped = {files[lo + j]: why for j, why in reasons.items()}
@@ -368,9 +400,11 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
     bar.close()
     run_s = time.perf_counter() - t0
     return {"compile_s": round(compile_s, 2), "last_run_s": round(run_s, 2),
+            "precision": None if vae is None else args.precision,
             "last_run_images": processed,
             "last_run_images_per_s": round(processed / run_s, 2) if processed else None,
-            "devices": len(devices), "device": devices[0].device_kind}
+            "devices": len(devices), "device": devices[0].device_kind,
+            "hosts": jax.process_count()}
 
 
 def write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run):
