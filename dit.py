@@ -3147,6 +3147,11 @@ FID_CFG_SCALE = 1.5
 GRID_CFG_SCALE = 4.0
 
 
+def count_label(n):
+    """A sample count as a figure's name gives it: 10K for 10,000 (FID-10K), 32 for 32 (FID-32)."""
+    return f"{n / 1000:g}K" if n and n % 1000 == 0 else f"{n:.0f}"
+
+
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
     """(images (n, H, W, 3), labels (n,)): n uint8 samples, labels spread evenly over the classes
     (sample_ddp.py's random ones add variance to FID), in global batches of batch_size."""
@@ -3576,7 +3581,8 @@ def smoothed(values, share=0.02):
 
 def scored(record):
     """How a record's scores were measured: "10K samples, adm"."""
-    return f"{as_number(record.get('fid_samples')) / 1000:g}K samples, {record.get('fid_protocol')}"
+    return (f"{count_label(as_number(record.get('fid_samples')))} samples, "
+            f"{record.get('fid_protocol')}")
 
 
 # The panels of FID and fid.py's other scores (the keys of their records, the panel's name).

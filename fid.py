@@ -957,15 +957,10 @@ def scores(out, ref=None):
     return result
 
 
-def count_label(n):
-    """A sample count as a figure's name gives it: 10K for 10,000 (FID-10K), 32 for 32 (FID-32)."""
-    return f"{n // 1000}K" if n and n % 1000 == 0 else str(n)
-
-
 def describe(result):
     """One line of the figures that `result` (scores()) has, each named with its sample count and
     protocol: "FID-10K (adm) 2.270, sFID-10K 4.60, IS-10K 278.2, Precision-10K 0.83, ..."."""
-    n = count_label(result["count"])
+    n = dit.count_label(result["count"])
     names = (("fid", "FID", ".3f"), ("sfid", "sFID", ".3f"), ("inception_score", "IS", ".2f"),
              ("precision", "Precision", ".4f"), ("recall", "Recall", ".4f"))
     figures = [f"{label}-{n} ({result['protocol']}) {result[key]:{spec}}"
@@ -1148,7 +1143,7 @@ def main(argv=None):
     elif args.command == "is":
         out = features(args.source, protocol)
         result = scores(out)
-        say(f"Inception Score-{count_label(out['count'])} ({protocol}): "
+        say(f"Inception Score-{dit.count_label(out['count'])} ({protocol}): "
             f"{result['inception_score']:.4f} +- {result['inception_score_std']:.4f}")
 
 

@@ -4051,6 +4051,13 @@ def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
     assert fid.precision_recall(*cases["b"]) == tuple(ref["pr_b"])
 
 
+def test_sample_counts_are_named_as_the_figures_are():
+    """FID-10K and FID-50K in thousands; fewer or uneven counts as they are: FID-32, not
+    FID-0.032K."""
+    assert [dit.count_label(n) for n in (10_000, 50_000, 1_000, 32, 1_500)] == [
+        "10K", "50K", "1K", "32", "1500"]
+
+
 @slow
 def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     """`fid.py ref` writes the evaluator's layout; OpenAI's layout (images in arr_0) loads too, and
