@@ -2574,9 +2574,10 @@ def course_tree(root):
 
 @pytest.fixture(scope="module")
 def course_data(tmp_path_factory, inception_weights):
-    """Steps 1 and 2 of the course: the download, prepared into in100-256/ with its FID reference.
-    At toy scale: --pixels 8 rather than latents, and the reference is `fid.py ref` of 16 of the
-    images rather than prepare's of all 1,040 (--no-fid), which would take minutes here."""
+    """Steps 1 and 2 of the course: the download, its training split (not the optional validation
+    split) prepared into in100-256/ with its FID reference. At toy scale: --pixels 8 rather than
+    latents, and the reference is `fid.py ref` of 16 of the images rather than prepare's of all
+    1,040 (--no-fid), which would take minutes here."""
     root = tmp_path_factory.mktemp("course")
     course_tree(root / "imagenet100")
     cwd = os.getcwd()
