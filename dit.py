@@ -2668,28 +2668,29 @@ def open_run(args, cfg, ds, objective):
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "unmask_at": args.unmask_at, "latent_scale": ds.latent_scale,
             "objective": objective_record(objective)}
-    found = list_checkpoints(args.run_dir)
-    checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
-    if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
-        where = "in " + args.run_dir if args.resume == "latest" else args.resume
-        raise InputError(f"--resume: no checkpoint {where}")
-    newer = [p for p in found if os.path.basename(p) > os.path.basename(checkpoint or "")]
-    if newer:  # a later automatic resume would jump back to them, mixing two histories in one run
-        raise InputError(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
-                         f"({os.path.basename(newer[-1])}); continue in another --run-dir, or move "
-                         f"those away")
     path = os.path.join(args.run_dir, "run.json")
-    if os.path.exists(path):
-        old = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
-                        "delete it to go on with this command's settings, or use another "
-                        "--run-dir")
-        # A setting missing from run.json is one that its run had off.
-        diff = {k: (old.get(k), settings[k]) for k in settings
-                if old.get(k) != settings[k] and (k in old or settings[k])}
-        if diff:
-            changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
-                             f"--run-dir, or the same settings to resume it.")
+    with on_every_host():  # each host looks in its own --run-dir
+        found = list_checkpoints(args.run_dir)
+        checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
+        if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
+            where = "in " + args.run_dir if args.resume == "latest" else args.resume
+            raise InputError(f"--resume: no checkpoint {where}")
+        newer = [p for p in found if os.path.basename(p) > os.path.basename(checkpoint or "")]
+        if newer:  # a later automatic resume would jump back to them, mixing two histories
+            raise InputError(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
+                             f"({os.path.basename(newer[-1])}); continue in another --run-dir, or "
+                             f"move those away")
+        if os.path.exists(path):
+            old = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
+                            "delete it to go on with this command's settings, or use another "
+                            "--run-dir")
+            # A setting missing from run.json is one that its run had off.
+            diff = {k: (old.get(k), settings[k]) for k in settings
+                    if old.get(k) != settings[k] and (k in old or settings[k])}
+            if diff:
+                changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+                raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
+                                 f"--run-dir, or the same settings to resume it.")
     local_disks = not run_dir_is_shared(args.run_dir)
     writes = local_disks or jax.process_index() == 0
     if writes and not os.path.exists(path):
@@ -2704,6 +2705,45 @@ def open_run(args, cfg, ds, objective):
     return checkpoint, meta, local_disks
 
 
+# What a host finds on its own disk (a pod slice's hosts have one each) must not send it down
+# another path through the collectives than the others, where they would wait for it for ever.
+
+@contextlib.contextmanager
+def on_every_host():
+    """Where the block inside raises InputError (or OSError) on any process, raise it on every
+    process: the first failing process's message, naming that process, once all have run it."""
+    error = None
+    try:
+        yield
+    except (InputError, OSError) as e:
+        error = e
+    if jax.process_count() > 1:
+        text = np.zeros(1024, np.uint8)  # the message, cut to a fixed size that every host gathers
+        raw = one_line(error).removeprefix("error: ").encode()[:len(text)] if error else b""
+        text[:len(raw)] = np.frombuffer(raw, np.uint8)
+        texts = multihost_utils.process_allgather(text)
+        failed = np.flatnonzero(texts.any(axis=1))
+        if len(failed):
+            message = bytes(texts[failed[0]]).rstrip(b"\0").decode(errors="replace")
+            raise InputError(f"process {failed[0]}: {message}") from None
+    if error:
+        raise error
+
+
+def same_data_on_every_host(ds):
+    """Every host must read the same dataset: its size sets the data order and the held-out
+    images, its classes and shape the model; a host with another copy feeds other batches."""
+    if jax.process_count() == 1:
+        return
+    found = multihost_utils.process_allgather(np.array([len(ds), ds.num_classes,
+                                                         *ds.input_shape], np.int32))
+    if (found != found[0]).any():  # found: (processes, 5)
+        each = ", ".join(f"{n} samples of {h}x{w}x{c} in {k} classes on process {i}"
+                         for i, (n, k, h, w, c) in enumerate(found))
+        raise InputError(f"the hosts found different data ({each}): copy the same data to every "
+                         f"host (--data-dir)")
+
+
 def run_dir_is_shared(run_dir):
     """Whether all processes see one run directory (one host, or a filesystem the hosts share), not
     a folder of that name on each host's disk (a TPU pod slice's). Process 0 writes a randomly named
@@ -2712,13 +2752,15 @@ def run_dir_is_shared(run_dir):
     token = np.random.default_rng().integers(2**31, dtype=np.int32)
     token = multihost_utils.broadcast_one_to_all(token)
     probe = os.path.join(run_dir, f".shared-{int(token)}")
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        if jax.process_index() == 0:
-            write_atomically(probe, lambda f: None)
-    except OSError as e:
-        raise InputError(f"cannot write in {run_dir} ({e.strerror or e}): the run's checkpoints go "
-                         f"there; choose a --run-dir that can be written") from None
+    with on_every_host():
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            if jax.process_index() == 0:
+                write_atomically(probe, lambda f: None)
+        except OSError as e:
+            raise InputError(f"cannot write in {run_dir} ({e.strerror or e}): the run's "
+                             f"checkpoints go there; choose a --run-dir that can be "
+                             f"written") from None
     if jax.process_count() == 1:
         os.remove(probe)
         return True
@@ -2890,7 +2932,9 @@ def train(args):
     use_compile_cache(args.compile_cache)  # before anything compiles
     mesh = make_mesh()
     check_batch_size(args.batch_size)
-    ds = load_dataset(args.dataset, args.data_dir, args.resolution)
+    with on_every_host():
+        ds = load_dataset(args.dataset, args.data_dir, args.resolution)
+    same_data_on_every_host(ds)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
     objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,
@@ -2948,10 +2992,13 @@ def train(args):
         trace(args.steps, state)
         if args.final_fid:
             evaluator.fid(state["ema"], args.steps, args.final_fid, log)
-        if jax.process_index() == 0 and list_checkpoints(args.run_dir):
+        # on each host that keeps checkpoints, so that `sample` can run on all as training did
+        if (local_disks or jax.process_index() == 0) and list_checkpoints(args.run_dir):
             out = export_ema(list_checkpoints(args.run_dir)[-1], f"{args.run_dir}/ema.safetensors")
-            print(f"finished {args.steps} steps in {time.monotonic() - stop.start:.0f} s: grids in "
-                  f"{args.run_dir}/samples, EMA weights in {out}")
+            if jax.process_index() == 0:
+                print(f"finished {args.steps} steps in {time.monotonic() - stop.start:.0f} s: "
+                      f"grids in {args.run_dir}/samples, EMA weights in {out}"
+                      f"{' (on every host)' if local_disks else ''}")
     return Run(args.run_dir, int(to_host(state["step"])), log.last.get("loss"),
                log.last.get("fid"), stopped, state)
 
@@ -3135,6 +3182,11 @@ FID_CFG_SCALE = 1.5
 GRID_CFG_SCALE = 4.0
 
 
+def count_label(n):
+    """A sample count as a figure's name gives it: 10K for 10,000 (FID-10K), 32 for 32 (FID-32)."""
+    return f"{n / 1000:g}K" if n and n % 1000 == 0 else f"{n:.0f}"
+
+
 def generate(sampler, params, n, batch_size, shape, num_classes, seed):
     """(images (n, H, W, 3), labels (n,)): n uint8 samples, labels spread evenly over the classes
     (sample_ddp.py's random ones add variance to FID), in global batches of batch_size."""
@@ -3176,15 +3228,39 @@ def evaluate_samples(images, ref, inception):
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 
-def validation_losses(model, objective, x0, y, key):
-    """Per-sample losses (len(VAL_TIMES), B) of held-out x0 (B, H, W, C), labels y, at VAL_TIMES,
-    noise from `key`: fixed for given weights, so evaluations, runs and models compare."""
+def validation_losses(model, objective, x0, y, key, n=None):
+    """Per-sample losses (len(VAL_TIMES), n) of the first n (default: all) held-out x0 (B, H, W, C),
+    labels y, at VAL_TIMES, noise from `key`; the rest of the batch pads it to a multiple of the
+    devices and is left out. The noise is drawn for the n alone: fixed for given weights and any
+    padding, so that evaluations, runs, models and device counts compare."""
+    n = len(x0) if n is None else n
+    pad = [(0, len(x0) - n)] + [(0, 0)] * (x0.ndim - 1)
     losses = []
     for i, frac in enumerate(VAL_TIMES):
-        noise = jax.random.normal(jax.random.fold_in(key, i), x0.shape, x0.dtype)
+        noise = jax.random.normal(jax.random.fold_in(key, i), (n, *x0.shape[1:]), x0.dtype)
         t = objective.time_at(jnp.full(len(x0), frac))
-        losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t, noise)["loss"])
+        losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t,
+                                          jnp.pad(noise, pad))["loss"][:n])
     return jnp.stack(losses)
+
+
+def reference_on_every_host(paths):
+    """(path, whether found): the first of `paths` (FID references, best first) that any process
+    has, which every process must then have, as FID runs on all; or the last, found by none."""
+    if not paths:
+        return None, False
+    have = np.array([[os.path.isfile(p) for p in paths]], np.int32)  # (processes, len(paths))
+    if jax.process_count() > 1:
+        have = multihost_utils.process_allgather(have[0])
+    for path, hosts in zip(paths, have.T):
+        if hosts.any() and not hosts.all():
+            raise InputError(f"process {np.argmin(hosts)} has no {path}, the FID reference that "
+                             f"process {np.argmax(hosts)} has: copy it to that path on process "
+                             f"{np.argmin(hosts)}'s host (FID runs on every host), or train "
+                             f"without FID (--final-fid 0, no --fid-every)")
+        if hosts.any():
+            return path, True
+    return paths[-1], False
 
 
 class Evaluator:
@@ -3192,8 +3268,9 @@ class Evaluator:
     labels each time, so that they compare; FID against --fid-ref or the prepared ImageNet-100's."""
 
     def __init__(self, args, graphdef, objective, mesh, ds, held_out):
-        vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
-               if ds.is_latent else None)
+        with on_every_host():  # each host's own VAE weights
+            vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
+                   if ds.is_latent else None)
         sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
                                     latent_scale=ds.latent_scale, steps=args.sample_steps,
                                     method=objective.default_method)
@@ -3209,24 +3286,31 @@ class Evaluator:
         split = NamedSharding(mesh, P("data"))
         self.grid_noise, self.grid_labels, self.grid_key = jax.jit(
             grid_inputs, out_shardings=(split, split, NamedSharding(mesh, P())))()
-        self.args, self.ref, self.inception, self.reference = args, args.fid_ref, None, None
-        if self.ref is None and args.dataset == "imagenet100":
+        self.args, refs = args, [args.fid_ref] if args.fid_ref else []
+        if not refs and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
             # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
-            adm = os.path.join(data_dir, "fid_ref.npz")
-            self.ref = adm if os.path.exists(adm) else os.path.join(data_dir, "fid_stats.npz")
-        if self.fid_sampler and self.ref and os.path.exists(self.ref):
-            fid_module()  # a run that will need fid.py says so before it trains, not after
+            refs = [os.path.join(data_dir, name) for name in ("fid_ref.npz", "fid_stats.npz")]
+        self.ref, self.has_ref = (reference_on_every_host(refs) if self.fid_sampler
+                                  else (None, False))
+        if self.has_ref:  # what FID needs, each host's own, before training rather than after
+            with on_every_host():
+                self.inception = fid_module().load_inception(args.inception)
+                self.reference = fid_module().load_reference(self.ref)
         # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares.
+        # They are padded (by repeats of the first ones) to a multiple of the devices, so that
+        # any count splits over them; validation_losses leaves the padding out.
         k, batch = len(held_out), NamedSharding(mesh, P("data"))
         if k:
             eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
             x, y = ds.inputs(held_out, np.zeros(k, bool), eps if ds.is_latent else None)
-            rows = np.array_split(np.arange(k), jax.process_count())[jax.process_index()]
-            self.val = (jax.make_array_from_process_local_data(batch, x[rows], x.shape),
-                        jax.make_array_from_process_local_data(batch, y[rows], y.shape))
+            padded = np.resize(np.arange(k), device_multiple(k))
+            rows = np.array_split(padded, jax.process_count())[jax.process_index()]
+            self.val = (jax.make_array_from_process_local_data(batch, x[rows], (len(padded),
+                                                                                *x.shape[1:])),
+                        jax.make_array_from_process_local_data(batch, y[rows], padded.shape))
             self.val_fn = jax.jit(lambda params, x, y: validation_losses(
-                nnx.merge(graphdef, params), objective, x, y, jax.random.key(0)).mean(axis=1))
+                nnx.merge(graphdef, params), objective, x, y, jax.random.key(0), k).mean(axis=1))
 
     def __call__(self, params, step, log):
         """The evaluations due after step `step`: the grid (samples/step_XXXXXXX.png of the run
@@ -3246,15 +3330,13 @@ class Evaluator:
 
     def fid(self, params, step, n, log):
         """FID-N and the other scores (fid.scores) of n samples, printed and logged with protocol
-        and count, or, lacking a reference, a note why. Inception and the reference load once."""
-        if not (self.ref and os.path.exists(self.ref)):
+        and count, or, lacking a reference, a note why."""
+        if not self.has_ref:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
         images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
                              self.num_classes, self.args.seed)
-        self.inception = self.inception or fid_module().load_inception(self.args.inception)
-        self.reference = self.reference or fid_module().load_reference(self.ref)
         result = evaluate_samples(images, self.reference, self.inception)
         scores = ("fid", "sfid", "inception_score", "precision", "recall")
         log.write({"step": step, "fid_samples": result["count"], "fid_protocol": result["protocol"],
@@ -3555,7 +3637,8 @@ def smoothed(values, share=0.02):
 
 def scored(record):
     """How a record's scores were measured: "10K samples, adm"."""
-    return f"{as_number(record.get('fid_samples')) / 1000:g}K samples, {record.get('fid_protocol')}"
+    return (f"{count_label(as_number(record.get('fid_samples')))} samples, "
+            f"{record.get('fid_protocol')}")
 
 
 # The panels of FID and fid.py's other scores (the keys of their records, the panel's name).
@@ -3803,14 +3886,18 @@ def sample_command(args):
     elif len(settings) > 1:
         raise InputError("several --cfg-scale values or --guidance-interval ranges are compared by "
                          "their FID: give --fid N")
-    fid = fid_module() if args.fid and args.ref else None
-    reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
-    model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    with on_every_host():  # each host reads its own copy of each
+        fid = fid_module() if args.fid and args.ref else None
+        reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
+        model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+        if reference:
+            say("loading the Inception network of the scores")
+        inception = fid.load_inception(args.inception) if reference else None
     # the run that the weights are a step of, whose metrics the scores join
     run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     steps = args.steps or objective.default_steps
     method = args.sampler or objective.default_method
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
         f"{model.cfg.input_size}x{model.cfg.in_channels}, {objective.name}")
     if args.sampler and args.sampler not in objective.METHODS:
@@ -3824,18 +3911,16 @@ def sample_command(args):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
     latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
+    with on_every_host():  # each host's own VAE weights
+        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+               if latent_scale else None)
     make_sampler = functools.partial(
         Sampler, nnx.graphdef(model), objective, mesh, steps=steps, method=method,
-        guidance_channels=3 if args.guidance_channels == "3" else None,
-        vae=(load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
-             if latent_scale else None),
+        guidance_channels=3 if args.guidance_channels == "3" else None, vae=vae,
         latent_scale=latent_scale, return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
     if args.fid:
-        if reference:
-            say("loading the Inception network of the scores")
-        inception = fid.load_inception(args.inception) if reference else None
         root, ext, scores = *os.path.splitext(args.out or "samples.npz"), {}
         for scale, interval in settings:
             setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]"
@@ -4100,9 +4185,6 @@ def main(argv=None):
         return report(args.runs, args.out, args.x)
     vars(args).update({k: v for k, v in RECIPES[args.dataset].items() if getattr(args, k) is None})
     args.val_every = args.val_every or args.sample_every
-    if args.val_images % jax.device_count():
-        raise InputError(f"--val-images {args.val_images} does not split over "
-                         f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
     args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
     args.run_dir = (args.run_dir
                     or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))

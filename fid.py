@@ -960,7 +960,7 @@ def scores(out, ref=None):
 def describe(result):
     """One line of the figures that `result` (scores()) has, each named with its sample count and
     protocol: "FID-10K (adm) 2.270, sFID-10K 4.60, IS-10K 278.2, Precision-10K 0.83, ..."."""
-    n = f"{result['count'] / 1000:g}K"
+    n = dit.count_label(result["count"])
     names = (("fid", "FID", ".3f"), ("sfid", "sFID", ".3f"), ("inception_score", "IS", ".2f"),
              ("precision", "Precision", ".4f"), ("recall", "Recall", ".4f"))
     figures = [f"{label}-{n} ({result['protocol']}) {result[key]:{spec}}"
@@ -1143,7 +1143,7 @@ def main(argv=None):
     elif args.command == "is":
         out = features(args.source, protocol)
         result = scores(out)
-        say(f"Inception Score-{out['count'] / 1000:g}K ({protocol}): "
+        say(f"Inception Score-{dit.count_label(out['count'])} ({protocol}): "
             f"{result['inception_score']:.4f} +- {result['inception_score_std']:.4f}")
 
 

@@ -489,6 +489,22 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
         layer.qkv.kernel[...] = w
 
 
+def test_validation_losses_leave_the_padding_out():
+    """The losses of n held-out samples padded to a longer batch are those of the n alone: the
+    noise is drawn for the n, and the padding's losses are dropped."""
+    model = lambda x, t, y: 0.5 * x + y[:, None, None, None]  # noqa: E731  (any function of them)
+    losses = jax.jit(lambda x, y, n: dit.validation_losses(model, dit.RectifiedFlow(), x, y,
+                                                           jax.random.key(1), n),
+                     static_argnums=2)
+    x = jax.random.normal(jax.random.key(0), (5, 8, 8, 3))
+    y = jnp.arange(5) % 3
+    alone = losses(x, y, None)
+    padding = jax.random.normal(jax.random.key(2), (3, 8, 8, 3))
+    padded = losses(jnp.concatenate([x, padding]), jnp.concatenate([y, y[:3]]), 5)
+    assert alone.shape == padded.shape == (len(dit.VAL_TIMES), 5)
+    np.testing.assert_allclose(padded, alone, rtol=1e-6)
+
+
 @slow
 def test_dit_plus_trains_and_each_switch_changes_the_model():
     """DiT+ trains in a jitted step (the validation loss of the batch, at fixed noise and times,
@@ -2543,34 +2559,58 @@ def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, masked_run):
     assert_states_close(one, final_state(tmp_path / "run")[1])
 
 
+@slow
+def test_validation_images_of_any_count_on_any_devices(tmp_path, folder_data):
+    """--val-images 10 on 8 devices, which 10 does not split over: padded to 16 and the padding
+    left out, the same held-out images give the same validation figures as on 1 device."""
+    figures = []
+    for devices in (1, 8):
+        run_dir = tmp_path / f"devices{devices}"
+        run_dit(tmp_path, train_args(folder_data, run_dir, 2, ["--val-images", "10",
+                                                               "--val-every", "1"]),
+                devices=devices)
+        figures.append([r for r in records(run_dir) if "val_loss" in r])
+    one, eight = figures
+    assert [r["step"] for r in one] == [r["step"] for r in eight] == [1, 2]
+    for a, b in zip(one, eight):
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+        assert b["val_loss_t"] == pytest.approx(a["val_loss_t"], rel=1e-5)
+    assert one[0]["val_loss"] != one[1]["val_loss"]  # the figures follow the weights
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
 
 
-def run_two_hosts(tmp_path, data_dir, run_dirs, steps, patch=""):
-    """Train on 2 processes x 2 devices joined by jax.distributed on localhost, process k in
-    run_dirs[k]: the outputs of both. Process 0 joins by the command-line flags, process 1 as the
-    second task of a SLURM job would, from the environment (JAX reads the task count and index from
-    SLURM's variables)."""
+def two_processes(tmp_path, argvs, devices=2, patch="", cwds=(None, None)):
+    """Run dit.py with argvs[k] as process k of 2 joined by jax.distributed on localhost, each
+    with `devices` CPU devices, in cwds[k]: (exit statuses, outputs). Process 0 joins by the
+    command-line flags, process 1 as the second task of a SLURM job would, from the environment
+    (JAX reads the task count and index from SLURM's variables)."""
     port = free_port()
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(here=HERE, patch=patch))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu"}
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
              "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
              "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
     joins = [(["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"],
               {}), ([], slurm)]
-    procs = [subprocess.Popen([sys.executable, str(script),
-                               *train_args(data_dir, run_dir, steps, VALIDATION), *flags],
-                              env={**env, **more}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for run_dir, (flags, more) in zip(run_dirs, joins)]
+    procs = [subprocess.Popen([sys.executable, str(script), *argv, *flags], env={**env, **more},
+                              cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv, (flags, more), cwd in zip(argvs, joins, cwds)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    return [p.returncode for p in procs], outs
+
+
+def run_two_hosts(tmp_path, data_dir, run_dirs, steps, patch=""):
+    """Train on 2 processes x 2 devices, process k in run_dirs[k]: the outputs of both."""
+    codes, outs = two_processes(tmp_path, [train_args(data_dir, run_dir, steps, VALIDATION)
+                                           for run_dir in run_dirs], patch=patch)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     return outs
 
 
@@ -2619,6 +2659,165 @@ def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, f
         for k in straight:
             np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
     assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
+
+
+@slow
+def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path, folder_data):
+    """Each host reads its own disk; where they found different data, or one lacks the checkpoint
+    to resume from, every host ends before the first step in the same line, naming the process."""
+    copy = tmp_path / "host1" / "data"
+    shutil.copytree(folder_data, copy)
+    os.remove(copy / "squares" / "0.png")
+    run_dirs = [tmp_path / "host0" / "run", tmp_path / "host1" / "run"]
+    codes, outs = two_processes(tmp_path, [train_args(folder_data, run_dirs[0], 2),
+                                           train_args(copy, run_dirs[1], 2)])
+    line = ("error: the hosts found different data (96 samples of 8x8x3 in 2 classes on process 0, "
+            "95 samples of 8x8x3 in 2 classes on process 1): copy the same data to every host "
+            "(--data-dir)")
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert [out.splitlines()[-1] for out in outs] == [line, line], outs
+    # --resume names a file on host 0's disk only (its contents are never read: process 1 has
+    # none, which ends both first)
+    (tmp_path / "host0").mkdir()
+    (tmp_path / "host0" / "step_0000002.npz").touch()
+    argv = train_args(folder_data, "run", 2, ["--resume", "step_0000002.npz"])
+    codes, outs = two_processes(tmp_path, [argv, argv], cwds=[tmp_path / "host0",
+                                                              tmp_path / "host1"])
+    line = "error: process 1: --resume: no checkpoint step_0000002.npz"
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert [out.splitlines()[-1] for out in outs] == [line, line], outs
+    assert not any(os.path.exists(run_dir / "checkpoints") for run_dir in run_dirs)
+
+
+# The README's course section on a pod slice of 2 hosts x 8 devices, each host with a local disk:
+# a folder per process, its working directory, where it runs the README's commands as they are
+# written, with toy sizes added. What differs: a DiT-S here is 32 wide and 2 deep; the processes
+# join by --coordinator (process 1 from SLURM's variables) as a pod slice's would by themselves;
+# the Inception has random weights (--inception); and the Frechet distance's square root of two
+# 2048-d covariances of 16 images, which takes minutes on a 2-core CPU, is replaced by the distance
+# of the means (test_fid_frechet_distance_* test the real one): these tests are of the hosts' paths
+# through the collectives.
+COURSE = """
+dit.DIT_SIZES["S"] = dict(hidden_size=32, depth=2, num_heads=2)
+fid.frechet_distance = lambda mu1, sigma1, mu2, sigma2: float(((mu1 - mu2) ** 2).sum())
+"""
+COURSE_RUN = os.path.join("runs", "imagenet100-DiT-S-2")
+
+
+def course_tree(root):
+    """A Kaggle-layout ImageNet-100 download (train.X1, train.X2, Labels.json) of 4 classes x 260
+    generated 10x8 JPEGs: more than the course's 1,000 held-out images."""
+    wnids = [f"n0000000{c}" for c in range(4)]
+    rng = np.random.default_rng(0)
+    for c, wnid in enumerate(wnids):
+        folder = root / f"train.X{1 + c // 2}" / wnid
+        folder.mkdir(parents=True)
+        for i in range(260):
+            pixels = rng.integers(0, 64, (8, 10, 3), dtype=np.uint8) + 64 * c
+            Image.fromarray(pixels).save(folder / f"{i}.JPEG")
+    (root / "Labels.json").write_text(json.dumps({w: f"class {c}" for c, w in enumerate(wnids)}))
+
+
+@pytest.fixture(scope="module")
+def course_data(tmp_path_factory, inception_weights):
+    """Steps 1 and 2 of the course: the download, its training split (not the optional validation
+    split) prepared into in100-256/ with its FID reference. At toy scale: --pixels 8 rather than
+    latents, and the reference is `fid.py ref` of 16 of the images rather than prepare's of all
+    1,040 (--no-fid), which would take minutes here."""
+    root = tmp_path_factory.mktemp("course")
+    course_tree(root / "imagenet100")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        prepare_imagenet100.main(["imagenet100/", "in100-256/", "--pixels", "8", "--no-fid"])
+        with pytest.warns(UserWarning):  # random Inception weights; 16 images' singular covariance
+            fid.main(["ref", "imagenet100/train.X1", "in100-256/fid_ref.npz", "--images", "16",
+                      "--batch-size", "16", "--weights", inception_weights])
+    finally:
+        os.chdir(cwd)
+    return root / "in100-256"
+
+
+def course_hosts(tmp_path, data, fid_ref_on=(0, 1)):
+    """Each host's disk (a folder) with its copy of the prepared data, the FID reference on the
+    hosts fid_ref_on only."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for k, host in enumerate(hosts):
+        shutil.copytree(data, host / "in100-256",
+                        ignore=None if k in fid_ref_on else shutil.ignore_patterns("fid_ref.npz"))
+    return hosts
+
+
+def course_train(inception_weights):
+    """Step 3's command, with toy sizes added: batches of 16, 4 steps, FID-16 of 2-step samples."""
+    return ["--size", "S", "--dataset", "imagenet100", "--data-dir", "in100-256/",
+            "--val-images", "1000", "--batch-size", "16", "--steps", "4", "--final-fid", "16",
+            "--sample-steps", "2", "--inception", inception_weights]
+
+
+@slow
+def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception_weights):
+    """The course on 2 hosts x 8 devices, each host with its own copy of the prepared data: step
+    3's training with 1,000 held-out images (which 16 devices do not split), stopped by a SIGTERM
+    on host 1 and continued by the same command from each host's own checkpoint, ending with FID;
+    then step 4's grid and FID with a guidance sweep, on both hosts."""
+    hosts = course_hosts(tmp_path, course_data)
+    train = course_train(inception_weights)
+    stop = "dit.STOP_CHECK_EVERY = 2\n" + SIGNAL_AT_SECOND_BATCH.format(signal="SIGTERM",
+                                                                         process=1)
+    codes, outs = two_processes(tmp_path, [train, train], 8, COURSE + stop, hosts)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    ckpt = os.path.join(COURSE_RUN, "checkpoints", "step_0000002.npz")
+    assert outs[0].splitlines()[-1] == (f"interrupted at step 2 of 4: saved {ckpt} (on every "
+                                        f"host); the same command continues from there")
+    assert "(1040 samples, input 8x8x3, 4 classes)" in outs[0]
+    assert "16 devices, 2 processes" in outs[0]
+
+    codes, outs = two_processes(tmp_path, [train, train], 8, COURSE, hosts)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert all(f"resumed {ckpt}" in out for out in outs)
+    assert all(re.search(r"^step 4: FID-16 \(adm\) [\d.]+, sFID-16", out, re.M) for out in outs)
+    run = records(hosts[0] / COURSE_RUN)
+    assert [r["step"] for r in run if "loss" in r] == [2, 4]  # each step's record once
+    [val] = [r for r in run if "val_loss" in r]
+    assert val["step"] == 4 and np.isfinite(val["val_loss"])
+    assert np.mean(list(val["val_loss_t"].values())) == pytest.approx(val["val_loss"])
+    [scores] = [r for r in run if "fid" in r]
+    assert scores["fid_samples"] == 16 and scores["fid_protocol"] == "adm"
+    for host in hosts:  # each host resumed from its own copy and has the EMA weights to sample
+        assert (host / COURSE_RUN / "ema.safetensors").exists()
+
+    grid = ["sample", "--ckpt", f"{COURSE_RUN}/ema.safetensors", "--cfg-scale", "4", "--n", "64",
+            "--out", "grid.png", "--steps", "2"]
+    codes, outs = two_processes(tmp_path, [grid, grid], 8, COURSE, hosts)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert Image.open(hosts[0] / "grid.png").size == (8 * 10 + 2, 8 * 10 + 2)
+    sweep = ["sample", "--ckpt", f"{COURSE_RUN}/ema.safetensors", "--fid", "16", "--ref",
+             "in100-256/fid_ref.npz", "--cfg-scale", "1,1.5,2,3", "--steps", "2", "--inception",
+             inception_weights]
+    codes, outs = two_processes(tmp_path, [sweep, sweep], 8, COURSE, hosts)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for scale in ("1", "1.5", "2", "3"):
+        assert re.search(rf"^guidance {scale}: FID-16 \(adm\) [\d.]+", outs[0], re.M), outs[0]
+        with np.load(hosts[0] / f"samples_cfg{scale}.npz") as f:
+            assert f["arr_0"].shape == (16, 8, 8, 3)
+
+
+@slow
+def test_course_host_without_the_fid_reference_ends_every_host(tmp_path, course_data,
+                                                               inception_weights):
+    """Host 1 lacks the FID reference that host 0 has: both end before the first step, in one
+    line that names host 1 and the file to copy there."""
+    hosts = course_hosts(tmp_path, course_data, fid_ref_on=(0,))
+    train = course_train(inception_weights)
+    codes, outs = two_processes(tmp_path, [train, train], 8, COURSE, hosts)
+    line = (f"error: process 1 has no {os.path.join('in100-256/', 'fid_ref.npz')}, the FID "
+            f"reference that process 0 has: copy it to that path on process 1's host (FID runs "
+            f"on every host), or train without FID (--final-fid 0, no --fid-every)")
+    for code, out in zip(codes, outs):
+        assert code != 0 and out.splitlines()[-1] == line, out[-3000:]
+    assert not any(os.path.exists(host / COURSE_RUN / "checkpoints") for host in hosts)
+    assert not os.path.exists(hosts[0] / COURSE_RUN / "metrics.jsonl")
 
 
 def losses(run_dir):
@@ -4050,6 +4249,13 @@ def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
     assert fid.precision_recall(*cases["b"]) == tuple(ref["pr_b"])
 
 
+def test_sample_counts_are_named_as_the_figures_are():
+    """FID-10K and FID-50K in thousands; fewer or uneven counts as they are: FID-32, not
+    FID-0.032K."""
+    assert [dit.count_label(n) for n in (10_000, 50_000, 1_000, 32, 1_500)] == [
+        "10K", "50K", "1K", "32", "1500"]
+
+
 @slow
 def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     """`fid.py ref` writes the evaluator's layout; OpenAI's layout (images in arr_0) loads too, and
@@ -4083,8 +4289,7 @@ def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     assert rel_err(openai["pool"], adm["set32_pool"][:n]) < 1e-4
     assert result["protocol"] == "adm" and result["count"] == n
     assert result["precision"] is not None and result["recall"] is not None
-    assert fid.describe(result).startswith("FID-0.004K (adm) 1.000, sFID-0.004K (adm) 1.000, "
-                                           "IS-0.004K (adm) ")
+    assert fid.describe(result).startswith("FID-4 (adm) 1.000, sFID-4 (adm) 1.000, IS-4 (adm) ")
     # A pytorch-fid reference does not score adm features.
     fid.save_statistics(str(tmp_path / "pt.npz"), ref["mu"], ref["sigma"])
     with pytest.raises(dit.InputError, match="pytorch-fid protocol, not adm"):
