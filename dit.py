@@ -3525,7 +3525,7 @@ def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
         end = time.perf_counter()
     seconds = {**sampler.seconds, "Inception": scores - features,
                "precision_recall": end - scores, "total": end - start}
-    print(f"  FID-{args.fid} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
+    print(f"  FID-{count_label(args.fid)} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
           f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
           + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
           + f" | {args.fid / seconds['total']:.2f} images/s")
