@@ -5,10 +5,11 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 (arXiv:2212.09748). Official PyTorch code: github.com/facebookresearch/DiT. On the same weights and
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
-The file is a book in three parts. Part I is DiT itself, pure functions and modules with no file
-input or output that use no name defined after them: a reader can stop at its end. Part II opens
-with what the harness's model (DiTPlus) and objectives add to the paper, then the harness that feeds
-and drives them. Part III reads the files from outside, checking every claim they make.
+The file is a book in four parts. Part I is DiT itself, pure functions and modules with no file
+input or output that use no name defined after them: a reader can stop at its end. Part II is what
+the harness's model (DiTPlus) and objectives add to the paper, read the same way. Part III is the
+harness that feeds and drives them. Part IV reads the files from outside, checking every claim they
+make; the harness calls into it, the one part that a reader meets before its definitions.
 
     Part I: the core
       1. Configuration                    the model sizes of the paper; InputError
@@ -18,11 +19,12 @@ and drives them. Part III reads the files from outside, checking every claim the
       5. Rectified flow                   straight paths from data to noise, Euler and Heun
       6. The training step                loss, gradients, AdamW, EMA: one jit-able step
       7. Sampling                         noise and labels in, samples out
-    Part II: the harness
+    Part II: beyond the paper
          DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
          Deferred masking                 MicroDiT's cheaper step: mix every patch, train on a share
          EDM                              a third objective; OBJECTIVES, the one list of them
          Memory and speed                 recomputation, fused attention, float32 matrix products
+    Part III: the harness
       8. Weight files                     PyTorch state dicts (DiT, VAE, Inception), safetensors
       9. The autoencoder                  the Stable Diffusion VAE that maps images to latents
      10. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
@@ -32,7 +34,7 @@ and drives them. Part III reads the files from outside, checking every claim the
      14. Benchmark                        images/s, MFU and memory
      15. Reports                          runs side by side: curves.png and report.md
      16. Command line                     python dit.py [train|sample|...|report], one-line errors
-    Part III: files from outside
+    Part IV: files from outside
      17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
      18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
      19. JSON and downloads               checked JSON, verified downloads
@@ -901,11 +903,12 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 
 #################################################################################
 #                                                                               #
-#                              PART II: THE HARNESS                             #
+#                           PART II: BEYOND THE PAPER                           #
 #                                                                               #
 #################################################################################
-# What the harness's model and objectives add to the paper, then what connects them to the world:
-# weight files, data, checkpoints, devices and hosts, evaluation, the command line.
+# What the harness's model and objectives add to the paper: switches that later work found to help,
+# a cheaper training step, a third objective, and what they need for memory and speed. Like Part I,
+# it uses no name defined after it.
 
 #################################################################################
 #                      DiT+: the switches beyond the paper                      #
@@ -1249,6 +1252,14 @@ def matmul_precision(dtype):
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()
 
+
+#################################################################################
+#                                                                               #
+#                             PART III: THE HARNESS                             #
+#                                                                               #
+#################################################################################
+# What connects the model and its objectives to the world: weight files, data, checkpoints, devices
+# and hosts, evaluation, reports, the command line.
 
 #################################################################################
 #                                 8. Weight files                               #
@@ -4196,14 +4207,15 @@ def main(argv=None):
 
 #################################################################################
 #                                                                               #
-#                          PART III: FILES FROM OUTSIDE                         #
+#                          PART IV: FILES FROM OUTSIDE                          #
 #                                                                               #
 #################################################################################
 # Every byte that comes from a file a user gave or downloaded is read here, by readers that check
 # each claim of the file (a length, a shape, an offset) against what is really there before
 # allocating anything, and that run no code from it. A file that fails a check raises InputError,
 # which names the file and says what to do; the command lines print it as one line (run_cli,
-# section 16). The harness above calls each reader in one line.
+# section 16). The harness above calls each reader in one line: the one place where the book
+# refers forward, by design, so that every reader of outside bytes stands together.
 
 #################################################################################
 #                  17. Pickles and PyTorch files, without torch                 #

@@ -1235,7 +1235,7 @@ def test_sampling_errors_are_clear(tmp_path):
 
 #################################################################################
 #                                                                               #
-#                          dit.py, PART II: THE HARNESS                         #
+#            dit.py, PARTS II AND III: BEYOND THE PAPER, THE HARNESS            #
 #                                                                               #
 #################################################################################
 
