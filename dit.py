@@ -203,14 +203,6 @@ ARCHS = {"dit": dict(qk_norm=False, rms_norm=False, swiglu=False, rope=False),
          "dit+": dict(qk_norm=False, rms_norm=True, swiglu=True, rope=True)}
 
 
-def dit_config(name, **overrides):
-    """The official configuration `name` ('XL/2', 'S/4', ...), its fields replaced by overrides."""
-    size, _, patch = name.partition("/")
-    if size not in DIT_SIZES or patch not in ("2", "4", "8"):
-        raise ValueError(f"unknown DiT configuration {name!r}; expected a size of "
-                         f"{list(DIT_SIZES)} with /2, /4 or /8")
-    return DiTConfig(patch_size=int(patch), **{**DIT_SIZES[size], **overrides})
-
 #################################################################################
 #          2. Embeddings: timesteps, class labels and patch positions           #
 #################################################################################
@@ -2395,10 +2387,9 @@ STOP_CHECK_EVERY = 10
 
 class Stop:
     """A stop after a whole step, with a checkpoint, on Ctrl-C (SIGINT, also a notebook's stop
-    button), SIGTERM (sent to a preempted TPU VM, or at a notebook session's end) or --time-limit
-    SECONDS after the start. Signal handlers are installed only inside `with Stop(...)`, then the
-    previous ones put back, as a notebook calls main() many times; a second Ctrl-C stops at once.
-    Off the main thread, where Python takes no signal handlers, only the time limit stops a run."""
+    button), SIGTERM (a preempted TPU VM, a notebook session's end) or --time-limit. The handlers
+    live only inside `with Stop(...)`, as a notebook calls main() many times; a second Ctrl-C stops
+    at once. Off the main thread, where Python takes no signal handlers, only the time limit does."""
 
     def __init__(self, time_limit):
         self.start = time.monotonic()
@@ -2429,8 +2420,7 @@ class Stop:
         if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
             return None
         wanted = 2 if self.signal else 1 if time.monotonic() > self.deadline else 0
-        if jax.process_count() > 1:
-            wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
+        wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
         return [None, "reached --time-limit", "interrupted"][wanted]
 
     def last_step(self, start, done, steps):
@@ -2482,11 +2472,10 @@ def setup_distributed(args):
 
 
 def use_compile_cache(directory):
-    """JAX's persistent compilation cache in `directory` ("": none). A run that starts again with
-    the same settings (a notebook after its time limit, a resumed job) loads the programs that the
-    run before compiled rather than compiling them again, minutes on a TPU. Every program is kept,
-    however fast it compiled (JAX's default keeps those that took a second or more), so that the
-    second run compiles nothing. JAX takes the settings at a process's first compilation: a reset
+    """JAX's persistent compilation cache in `directory` ("": none), so that a run started again
+    with the same settings (a notebook after its time limit, a resumed job) compiles nothing, where
+    compiling takes minutes on a TPU: every program is kept, however fast it compiled (JAX keeps
+    those of a second or more). JAX takes the settings at a process's first compilation: a reset
     lets a notebook's later runs change them."""
     compilation_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", bool(directory))
@@ -2503,12 +2492,14 @@ def check_batch_size(batch_size):
 
 
 def model_config(args, input_size, in_channels, num_classes):
-    """The DiTConfig of model_options' options (switches resolved by main) for this input."""
+    """The DiTConfig of model_options' options for this input: --size, --patch, and --arch's
+    switches, each overridable by its own option."""
+    switches = {k: on if getattr(args, k) is None else getattr(args, k)
+                for k, on in ARCHS[args.arch].items()}
     with flag(f"--patch {args.patch}"):
-        return dit_config(f"{args.size}/{args.patch}", input_size=input_size,
-                          in_channels=in_channels, num_classes=num_classes,
-                          learn_sigma=OBJECTIVES[args.objective].learn_sigma,
-                          **{switch: getattr(args, switch) for switch in ARCHS[args.arch]})
+        return DiTConfig(input_size=input_size, patch_size=args.patch, in_channels=in_channels,
+                         num_classes=num_classes, **DIT_SIZES[args.size], **switches,
+                         learn_sigma=OBJECTIVES[args.objective].learn_sigma)
 
 
 def compute_dtype(precision):
@@ -2538,9 +2529,9 @@ def loss_scale_state(dtype):
 
 
 def scaled_grad(loss_fn, state):
-    """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux. A float16
-    state multiplies its loss by its loss scale before the backward pass and divides the gradients
-    by it after: float16's smallest normal number is 6e-5; small gradients would round to zero."""
+    """loss_gradient, but a float16 state multiplies its loss by its loss scale before the backward
+    pass and divides the gradients by it after: below float16's smallest normal number, 6e-5, small
+    gradients would round to zero."""
     scale = state.get("loss_scale", 1.0)
 
     def scaled(params):
@@ -2566,11 +2557,13 @@ def update_loss_scale(state, new_state, finite, period=2000):
 LOSS_BINS = 4
 
 
-def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False, masking=None):
-    """The core's training step (make_train_step) as training runs it: a float16 state scales its
-    loss (scaled_grad), and a step whose gradients overflowed is skipped (update_loss_scale), with
-    the scale and the skip in the metrics; the per-sample losses become sums and counts per
-    LOSS_BINS range of noise level. With `masking` (a DeferredMasking), the losses are its."""
+def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
+                   masking=None):
+    """The core's training step (make_train_step) as training runs it, jitted for the mesh (the
+    state keeps its shardings, the batch is split): a float16 state scales its loss (scaled_grad),
+    and a step whose gradients overflowed is skipped (update_loss_scale), with the scale and the
+    skip in the metrics; the per-sample losses become sums and counts per LOSS_BINS range of noise
+    level. With `masking` (a DeferredMasking), the losses are its."""
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
                                 gradient=scaled_grad, batch_losses=masking or batch_losses)
 
@@ -2586,13 +2579,9 @@ def make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False
         return (update_loss_scale(state, new_state, finite),
                 metrics | {"loss_scale": state["loss_scale"], "skipped": ~finite})
 
-    return train_step
-
-
-def architecture(args):
-    """--arch's switches (qk_norm, rms_norm, swiglu, rope), each overridable by its own option."""
-    return {k: on if getattr(args, k) is None else getattr(args, k)
-            for k, on in ARCHS[args.arch].items()}
+    batch = NamedSharding(mesh, P("data"))
+    return jax.jit(train_step, in_shardings=(shardings, batch, batch),
+                   out_shardings=(shardings, None), donate_argnums=0)
 
 
 def make_mesh():
@@ -2635,15 +2624,6 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     return graphdef, state, shardings
 
 
-def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
-                   masking=None):
-    """make_harness_step jitted for the mesh: the state keeps its shardings, the batch is split."""
-    batch = NamedSharding(mesh, P("data"))
-    return jax.jit(make_harness_step(graphdef, objective, tx, ema_decay, seed, ema_warmup, masking),
-                   in_shardings=(shardings, batch, batch), out_shardings=(shardings, None),
-                   donate_argnums=0)
-
-
 def deferred_masking(args, cfg):
     """The DeferredMasking of --mask-ratio and --mixer-depth for the model of cfg, or None."""
     if not args.mask_ratio:
@@ -2657,24 +2637,14 @@ def deferred_masking(args, cfg):
     return DeferredMasking(args.mask_ratio, args.mixer_depth)
 
 
-def train_steps(args, cfg, graphdef, objective, tx, mesh, shardings):
-    """step -> the training step for that step, each compiled on first use: deferred masking's
-    before --unmask-at, the step on every patch after it (and throughout without masking)."""
-    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
-                                    args.seed, mesh, shardings, masking)
-                     for masking in (deferred_masking(args, cfg), None))
-    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
-    return lambda step: masked if step < unmask_at else whole
-
-
-def open_run(args, cfg, ds, objective):
+def open_run(args, cfg, ds, objective, masking):
     """(checkpoint to resume from or None, metadata for the run's checkpoints, whether each host
     keeps its own run directory), with the run directory ready: a new one records the run's defining
     settings; an existing one must hold the same run (the data order depends on the dataset's size:
     a changed dataset could not resume exactly); a crashed save's temporary files are deleted."""
-    masking = deferred_masking(args, cfg)
-    settings = {**{k: getattr(args, k) for k in RUN_DEFINING}, "dataset_size": len(ds),
-                "num_classes": ds.num_classes,
+    settings = {**{k: getattr(args, k) for k in RUN_DEFINING},
+                **{k: getattr(cfg, k) for k in ARCHS["dit"]},  # as model_config resolved them
+                "dataset_size": len(ds), "num_classes": ds.num_classes,
                 "masking": dataclasses.asdict(masking) if masking else None}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "unmask_at": args.unmask_at, "latent_scale": ds.latent_scale,
@@ -2744,8 +2714,6 @@ def on_every_host():
 def same_data_on_every_host(ds):
     """Every host must read the same dataset: its size sets the data order and the held-out
     images, its classes and shape the model; a host with another copy feeds other batches."""
-    if jax.process_count() == 1:
-        return
     found = multihost_utils.process_allgather(np.array([len(ds), ds.num_classes,
                                                          *ds.input_shape], np.int32))
     if (found != found[0]).any():  # found: (processes, 5)
@@ -2772,9 +2740,6 @@ def run_dir_is_shared(run_dir):
             raise InputError(f"cannot write in {run_dir} ({e.strerror or e}): the run's "
                              f"checkpoints go there; choose a --run-dir that can be "
                              f"written") from None
-    if jax.process_count() == 1:
-        os.remove(probe)
-        return True
     multihost_utils.sync_global_devices("process 0 wrote the probe of the run directory")
     seen = multihost_utils.process_allgather(np.int32(os.path.exists(probe)))
     if jax.process_index() == 0:  # every process has looked: the gather waited for all
@@ -2789,8 +2754,6 @@ def agree_on_checkpoint(run_dir, checkpoint, automatic):
     """The checkpoint every process resumes from, given the one each found. Where each host has its
     own disk, a save that a crash interrupted may have finished on some hosts only: they go back to
     the newest checkpoint that all have, kept by save_checkpoint until all hosts have the next."""
-    if jax.process_count() == 1:
-        return checkpoint
     name = os.path.basename(checkpoint or "")
     names = multihost_utils.process_allgather(np.int32(zlib.crc32(name.encode()) >> 1))
     if (names == names[0]).all():
@@ -2948,6 +2911,7 @@ def train(args):
     same_data_on_every_host(ds)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
+    masking = deferred_masking(args, cfg)
     objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,
                                loc=args.ln_loc, scale=args.ln_scale, sigma_data=ds.sigma_data)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
@@ -2955,7 +2919,7 @@ def train(args):
 
     # The run directory, and the state: restored from a checkpoint, or new.
     stop = Stop(args.time_limit)  # the time limit counts from here
-    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective)
+    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective, masking)
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
@@ -2965,7 +2929,11 @@ def train(args):
           f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
-    step_fns = train_steps(args, cfg, graphdef, objective, tx, mesh, shardings)
+    # Deferred masking's step before --unmask-at, the step on every patch after it (and throughout
+    # without masking), each compiled at its first step.
+    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
+                                    args.seed, mesh, shardings, m) for m in (masking, None))
+    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
     evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
 
     # The loop: a step on each global batch (from each process's share), then records, evaluations
@@ -2979,7 +2947,7 @@ def train(args):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
-            state, metrics = step_fns(step)(state, x, y)
+            state, metrics = (masked if step < unmask_at else whole)(state, x, y)
             log.pending.append(metrics)
             done = step + 1
             set_total(bar, stop.last_step(start, done, args.steps))
@@ -4182,8 +4150,6 @@ def main(argv=None):
         setup_distributed(args)  # before anything else starts jax's backend
     if args.command in ("train", "sample", "bench"):
         args.precision = args.precision or default_precision()
-    if args.command in ("train", "bench"):
-        vars(args).update(architecture(args))
     if args.command == "sample":
         return sample_command(args)
     if args.command == "export":

@@ -245,11 +245,11 @@ def reference():
 def test_parameter_counts_equal_the_official_ones():
     """The official counts (32,963,360 for DiT-S/2 and 675,129,632 for DiT-XL/2) include the fixed
     position table, which PyTorch stores as a frozen parameter. XL/2 is never allocated."""
-    for name, official in [("S/2", 32_963_360), ("XL/2", 675_129_632)]:
-        cfg = dit.dit_config(name)
+    for size, official in [("S", 32_963_360), ("XL", 675_129_632)]:
+        cfg = dit.DiTConfig(patch_size=2, **dit.DIT_SIZES[size])
         model = nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0)))
         T = cfg.grid ** 2
-        assert dit.count_params(model) + T * cfg.hidden_size == official, name
+        assert dit.count_params(model) + T * cfg.hidden_size == official, size
 
 
 @slow
@@ -259,7 +259,7 @@ def test_dit_plus_stays_within_the_course_budget():
     the MLP's two of width 4D; QK-norm adds a scale per head channel for queries and keys; RMSNorm
     and RoPE add none."""
     def total(**switches):
-        cfg = dit.dit_config("S/2", **switches)
+        cfg = dit.DiTConfig(patch_size=2, **dit.DIT_SIZES["S"], **switches)
         model = nnx.eval_shape(lambda: dit.DiTPlus(cfg, rngs=nnx.Rngs(0)))
         return dit.count_params(model) + cfg.grid ** 2 * cfg.hidden_size
 
@@ -516,9 +516,10 @@ def test_dit_plus_trains_and_each_switch_changes_the_model():
     small = dict(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=2, num_heads=2,
                  num_classes=3, learn_sigma=False)
     tx = dit.make_optimizer(1e-2)[0]
-    graphdef, state, _ = dit.init_state(dit.DiTConfig(**small, **dit.ARCHS["dit+"]), tx, 0,
-                                        dit.make_mesh(), False, jnp.float32, None)
-    step = jax.jit(dit.make_harness_step(graphdef, dit.RectifiedFlow(), tx, 0.9, 0))
+    mesh = dit.make_mesh()
+    graphdef, state, shardings = dit.init_state(dit.DiTConfig(**small, **dit.ARCHS["dit+"]), tx,
+                                                0, mesh, False, jnp.float32, None)
+    step = dit.jit_train_step(graphdef, dit.RectifiedFlow(), tx, 0.9, False, 0, mesh, shardings)
     val = jax.jit(lambda p: dit.validation_losses(
         nnx.merge(graphdef, p), dit.RectifiedFlow(), x, y, jax.random.key(1)).mean())
     before = float(val(state["params"]))
@@ -611,7 +612,8 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     function it returns). Without remat every block keeps its attention probabilities and the inputs
     of its matmuls (the GELU and LayerNorm are recomputed); with "full", little more than its input
     (B, T, D)."""
-    cfg = dit.dit_config("T/4", input_size=16, in_channels=4, num_classes=10)
+    cfg = dit.DiTConfig(input_size=16, patch_size=4, in_channels=4, num_classes=10,
+                        **dit.DIT_SIZES["T"])
     B, T, D = 24, cfg.grid ** 2, cfg.hidden_size
     x, t, y = jnp.zeros((B, 16, 16, 4)), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
 
@@ -1176,8 +1178,9 @@ def test_training_loss_is_logged_by_noise_level():
     cfg = dit.DiTConfig(input_size=4, patch_size=2, in_channels=1, hidden_size=16, depth=1,
                         num_heads=2, num_classes=0, learn_sigma=False)
     tx, _ = dit.make_optimizer(1e-4)
-    graphdef, state, _ = dit.init_state(cfg, tx, 0, dit.make_mesh(), False, jnp.float32, None)
-    step = jax.jit(dit.make_harness_step(graphdef, Known(), tx, 0.9, 0))
+    mesh = dit.make_mesh()
+    graphdef, state, shardings = dit.init_state(cfg, tx, 0, mesh, False, jnp.float32, None)
+    step = dit.jit_train_step(graphdef, Known(), tx, 0.9, False, 0, mesh, shardings)
     _, metrics = step(state, jnp.zeros((8, 4, 4, 1)), jnp.zeros(8, int))
     assert dit.LOSS_BINS == 4
     np.testing.assert_array_equal(metrics["count_by_t"], [3, 2, 2, 1])
@@ -3042,8 +3045,9 @@ def test_bench_reports_figures(tmp_path):
                              "6", "--profile", str(profile), "--mask-ratio", "0.5",
                              "--mixer-depth", "1"], devices=2, patch='dit.PEAK_FLOPS["cpu"] = 1e9')
     lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines()}
-    cfg = dit.dit_config("T/2", input_size=4, in_channels=4, num_classes=1000, learn_sigma=False,
-                         hidden_size=32, depth=2, num_heads=2)  # the DRIVER's T, rf's output
+    cfg = dit.DiTConfig(input_size=4, patch_size=2, in_channels=4, num_classes=1000,
+                        learn_sigma=False,  # rf's output
+                        hidden_size=32, depth=2, num_heads=2)  # the DRIVER's T
     step_seconds = {}
     for name, flops in [("train", 3 * dit.dit_flops(cfg) * 4), ("masked", None),
                         ("forward", dit.dit_flops(cfg) * 4)]:
@@ -3086,7 +3090,9 @@ def test_flops_match_the_paper():
     paper = {"S/8": 0.36, "S/4": 1.41, "S/2": 6.06, "B/8": 1.42, "B/4": 5.56, "B/2": 23.01,
              "L/8": 5.01, "L/4": 19.70, "L/2": 80.71, "XL/8": 7.39, "XL/4": 29.05, "XL/2": 118.64}
     for name, gflops in paper.items():
-        assert dit.dit_flops(dit.dit_config(name)) / 2e9 == pytest.approx(gflops, rel=0.01), name
+        size, patch = name.split("/")
+        cfg = dit.DiTConfig(patch_size=int(patch), **dit.DIT_SIZES[size])
+        assert dit.dit_flops(cfg) / 2e9 == pytest.approx(gflops, rel=0.01), name
 
 
 def test_mfu_divides_by_the_peak_of_one_jax_device():
@@ -3112,7 +3118,7 @@ def test_compiled_training_step_costs_what_dit_flops_counts():
     training image. XLA counts about 1% more (1.3% at batch 4): the elementwise work that dit_flops
     leaves out as the paper does (normalisations, GELU, softmax, modulation, the loss), and AdamW's
     and the EMA's updates, once a step whatever the batch."""
-    cfg = dit.dit_config("S/2", learn_sigma=False)
+    cfg = dit.DiTConfig(patch_size=2, **dit.DIT_SIZES["S"], learn_sigma=False)
     assert dit.dit_flops(cfg) / 1e9 == pytest.approx(12.1, abs=0.05)
     mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-4)
     graphdef, state, shardings, _ = traced_init_state(cfg, tx, mesh, False, jnp.float32, None)
