@@ -2387,9 +2387,10 @@ STOP_CHECK_EVERY = 10
 
 class Stop:
     """A stop after a whole step, with a checkpoint, on Ctrl-C (SIGINT, also a notebook's stop
-    button), SIGTERM (a preempted TPU VM, a notebook session's end) or --time-limit. The handlers
-    live only inside `with Stop(...)`, as a notebook calls main() many times; a second Ctrl-C stops
-    at once. Off the main thread, where Python takes no signal handlers, only the time limit does."""
+    button), SIGTERM (sent to a preempted TPU VM, or at a notebook session's end) or --time-limit
+    SECONDS after the start. Signal handlers are installed only inside `with Stop(...)`, then the
+    previous ones put back, as a notebook calls main() many times; a second Ctrl-C stops at once.
+    Off the main thread, where Python takes no signal handlers, only the time limit stops a run."""
 
     def __init__(self, time_limit):
         self.start = time.monotonic()
@@ -2560,10 +2561,9 @@ LOSS_BINS = 4
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
                    masking=None):
     """The core's training step (make_train_step) as training runs it, jitted for the mesh (the
-    state keeps its shardings, the batch is split): a float16 state scales its loss (scaled_grad),
-    and a step whose gradients overflowed is skipped (update_loss_scale), with the scale and the
-    skip in the metrics; the per-sample losses become sums and counts per LOSS_BINS range of noise
-    level. With `masking` (a DeferredMasking), the losses are its."""
+    state keeps its shardings, the batch is split): with float16's loss scaling, the scale and the
+    skipped step in the metrics, and the per-sample losses summed and counted per LOSS_BINS range
+    of noise level. With `masking` (a DeferredMasking), the losses are its."""
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
                                 gradient=scaled_grad, batch_losses=masking or batch_losses)
 
