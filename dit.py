@@ -2342,16 +2342,15 @@ def export_ema(ckpt_path, out_path):
 # the paper's DDPM). MNIST, the CPU demo `python dit.py` runs in minutes, was tuned by measurement
 # (README, Quickstart): at this budget many small steps of a narrow model beat a few large ones of
 # DiT-T; lr 20x DiT's and an EMA warm-up make the first grid show trained weights.
+PAPER_RECIPE = dict(size="S", patch=2, lr=1e-4, ema_decay=0.9999, ema_warmup=False, log_every=100,
+                    final_fid=10_000)
 RECIPES = {
-    "imagenet100": dict(size="S", patch=2, batch_size=256, lr=1e-4, ema_decay=0.9999,
-                        ema_warmup=False, steps=400_000, log_every=100, ckpt_every=10_000,
-                        sample_every=10_000, final_fid=10_000),
-    "cifar10": dict(size="S", patch=2, batch_size=128, lr=1e-4, ema_decay=0.9999,
-                    ema_warmup=False, steps=200_000, log_every=100, ckpt_every=10_000,
-                    sample_every=5_000, final_fid=10_000),
-    "folder": dict(size="S", patch=2, batch_size=128, lr=1e-4, ema_decay=0.9999,
-                   ema_warmup=False, steps=100_000, log_every=100, ckpt_every=5_000,
-                   sample_every=5_000, final_fid=10_000),
+    "imagenet100": PAPER_RECIPE | dict(batch_size=256, steps=400_000, ckpt_every=10_000,
+                                       sample_every=10_000),
+    "cifar10": PAPER_RECIPE | dict(batch_size=128, steps=200_000, ckpt_every=10_000,
+                                   sample_every=5_000),
+    "folder": PAPER_RECIPE | dict(batch_size=128, steps=100_000, ckpt_every=5_000,
+                                  sample_every=5_000),
     "mnist": dict(size="D", patch=4, batch_size=32, lr=2e-3, ema_decay=0.999, ema_warmup=True,
                   steps=1_800, log_every=50, ckpt_every=600, sample_every=200, final_fid=0),
 }
