@@ -1931,6 +1931,30 @@ def _load_cifar10(data_dir: str) -> Dataset:
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
                     ".webp")
 
+
+def image_files(folder):
+    """(the images directly in `folder`, {each sub-folder: the images at any depth in it}), by
+    name, each list sorted: the folders of dit.py's 'folder' dataset, fid.py's and
+    prepare_imagenet100.py's class folders all walk here. An image is a file whose name ends in
+    IMAGE_EXTENSIONS (any case); names that start with "." are hidden (macOS's ._ files,
+    .ipynb_checkpoints) and skipped, files and folders alike."""
+    def images(root, names):
+        return [os.path.join(root, n) for n in names
+                if not n.startswith(".") and n.lower().endswith(IMAGE_EXTENSIONS)]
+
+    names = sorted(os.listdir(folder))
+    subfolders = {}
+    for name in names:
+        if os.path.isdir(os.path.join(folder, name)) and not name.startswith("."):
+            found = []
+            for root, dirs, files in os.walk(os.path.join(folder, name)):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]  # pruned: not walked
+                found += images(root, files)
+            subfolders[name] = sorted(found)
+    loose = [p for p in images(folder, names) if os.path.isfile(p)]
+    return loose, subfolders
+
+
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
     with a BOX filter while the short side is at least twice the target (cheap and alias-free),
@@ -1950,10 +1974,6 @@ def center_crop_arr(pil_image, image_size):
     return arr[top:top + image_size, left:left + image_size]
 
 
-def _is_image(path: str) -> bool:
-    return os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS)
-
-
 def load_image(path, size=None):
     """Decode any file PIL reads (by its content, so a PNG named .JPEG works) as RGB, centre-cropped
     to size x size if a size is given: (uint8 (H, W, 3), None), or (None, reason) for a broken file,
@@ -1971,15 +1991,11 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     sub-folder per class (labels follow the sorted names), or all loose in data_dir, unlabelled."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"image folder {data_dir} does not exist")
-    entries = sorted(e for e in os.listdir(data_dir) if not e.startswith("."))
-    class_names = [e for e in entries if os.path.isdir(os.path.join(data_dir, e))]
-    loose = [os.path.join(data_dir, e) for e in entries if _is_image(os.path.join(data_dir, e))]
+    loose, subfolders = image_files(data_dir)
+    class_names = list(subfolders)
     if class_names:
         files, labels = [], []
-        for label, name in enumerate(class_names):
-            found = sorted(os.path.join(root, f)
-                           for root, _, names in os.walk(os.path.join(data_dir, name))
-                           for f in names if _is_image(os.path.join(root, f)))
+        for label, (name, found) in enumerate(subfolders.items()):
             if not found:
                 warnings.warn(f"class folder {os.path.join(data_dir, name)} holds no images; class "
                               f"{label} ({name!r}) will have no training samples")
@@ -4494,61 +4510,18 @@ def _load_torch_zip(path, archive, file_size):
     return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
 
 
-def _load_torch_legacy(path, f, file_size):
-    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list
-    of storage keys, then each storage as an int64 element count followed by its raw bytes."""
+def load_torch(path, legacy=None):
+    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
+
+    The zip format (torch >= 1.6, e.g. the official DiT checkpoints); the legacy one only with
+    `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights), which is called as
+    legacy(path, f, file_size) with `f` past the magic number. Only tensor rebuilding is allowed,
+    any other global raising UnsafePickleError before anything runs. bfloat16 comes back float32.
+    """
     def not_torch(why):
         return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
                           f"torch.save pickle; pass the file that torch.save wrote")
 
-    try:
-        magic = safe_unpickle(f, {})
-    except UnsafePickleError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
-        raise not_torch(f"{type(e).__name__}: {e}") from None
-    if magic != _LEGACY_MAGIC:
-        raise not_torch(f"it starts with {reprlib.repr(magic)}")
-    protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
-    if protocol != 1001 or not isinstance(sys_info, dict):
-        raise InputError(f"{path}: unsupported legacy torch format (protocol "
-                         f"{reprlib.repr(protocol)}); load it with torch and save it again")
-    little_endian = sys_info.get("little_endian", True)
-    storages = {}
-
-    def persistent_load(saved_id):
-        storage_type, key, numel = _storage_id(path, saved_id, file_size)
-        return storages.setdefault(key, _Storage(storage_type, numel))
-
-    obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
-    for key in safe_unpickle(f, {}):  # the storage list, in the order of the data below
-        if key not in storages:
-            raise InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no tensor "
-                             f"uses; the file is damaged")
-        storage = storages[key]
-        header = f.read(8)
-        if len(header) < 8:
-            raise InputError(f"{path}: truncated file (storage {key!r} is missing); download or "
-                             f"save it again")
-        count = struct.unpack("<q" if little_endian else ">q", header)[0]
-        if count != storage.numel:
-            raise InputError(f"{path}: storage {key!r} holds {count} elements where "
-                             f"{storage.numel} were expected; the file is damaged")
-        nbytes = count * storage.storage_type.dtype.itemsize
-        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
-            raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
-                             f"download or save it again")
-        storage.data = _storage_array(storage, f.read(nbytes), little_endian)
-    return obj
-
-
-def load_torch(path):
-    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
-
-    Both the zip format (torch >= 1.6, e.g. the official DiT checkpoints) and the legacy one (e.g.
-    pytorch-fid's Inception weights); only tensor rebuilding is allowed, any other global raising
-    UnsafePickleError before anything runs. bfloat16 tensors come back as float32.
-    """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         try:
@@ -4563,7 +4536,20 @@ def load_torch(path):
                     raise InputError(f"{path}: a damaged or truncated zip archive; download or "
                                      f"save it again")
                 f.seek(0)
-                obj = _load_torch_legacy(path, f, file_size)
+                try:
+                    magic = safe_unpickle(f, {})
+                except UnsafePickleError:
+                    raise
+                except (pickle.UnpicklingError, EOFError, ValueError, IndexError,
+                        struct.error) as e:
+                    raise not_torch(f"{type(e).__name__}: {e}") from None
+                if magic != _LEGACY_MAGIC:
+                    raise not_torch(f"it starts with {reprlib.repr(magic)}")
+                if legacy is None:
+                    raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, "
+                                     f"or _use_new_zipfile_serialization=False), which only fid.py "
+                                     f"reads; load it with torch and torch.save it again")
+                obj = legacy(path, f, file_size)
             return _materialize(path, obj, file_size)
         except UnsafePickleError as e:
             raise UnsafePickleError(f"{path}: {e}") from None

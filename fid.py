@@ -27,6 +27,7 @@ import concurrent.futures
 import functools
 import hashlib
 import os
+import reprlib
 import struct
 import sys
 import tempfile
@@ -336,6 +337,49 @@ FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb
 _PASS_OFFICIAL = f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}"
 
 
+def _load_torch_legacy(path, f, file_size):
+    """torch's legacy format, the one of pytorch-fid's weights, for dit.load_torch, which has read
+    its magic number: protocol and system-info pickles, the object pickle, the list of storage
+    keys, then each storage as an int64 element count followed by its raw bytes. Every pickle goes
+    through dit.py's restricted unpickler, every storage through its checks."""
+    protocol, sys_info = dit.safe_unpickle(f, {}), dit.safe_unpickle(f, {})
+    if protocol != 1001 or not isinstance(sys_info, dict):
+        raise dit.InputError(f"{path}: unsupported legacy torch format (protocol "
+                             f"{reprlib.repr(protocol)}); load it with torch and save it again")
+    little_endian = sys_info.get("little_endian", True)
+    storages = {}
+
+    def persistent_load(saved_id):
+        storage_type, key, numel = dit._storage_id(path, saved_id, file_size)
+        return storages.setdefault(key, dit._Storage(storage_type, numel))
+
+    obj = dit.safe_unpickle(f, dit._TORCH_ALLOWED, persistent_load)
+    for key in dit.safe_unpickle(f, {}):  # the storage list, in the order of the data below
+        if key not in storages:
+            raise dit.InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no "
+                                 f"tensor uses; the file is damaged")
+        storage = storages[key]
+        header = f.read(8)
+        if len(header) < 8:
+            raise dit.InputError(f"{path}: truncated file (storage {key!r} is missing); download "
+                                 f"or save it again")
+        count = struct.unpack("<q" if little_endian else ">q", header)[0]
+        if count != storage.numel:
+            raise dit.InputError(f"{path}: storage {key!r} holds {count} elements where "
+                                 f"{storage.numel} were expected; the file is damaged")
+        nbytes = count * storage.storage_type.dtype.itemsize
+        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
+            raise dit.InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more "
+                                 f"bytes); download or save it again")
+        storage.data = dit._storage_array(storage, f.read(nbytes), little_endian)
+    return obj
+
+
+def load_torch(path):
+    """dit.load_torch, reading also torch's legacy format, in which pytorch-fid's weights are."""
+    return dit.load_torch(path, _load_torch_legacy)
+
+
 def _inception_with(state_dict, source):
     """An InceptionV3 holding pytorch-fid's state dict, read by dit.py's one loader of PyTorch
     weights (BatchNorm's training counter, num_batches_tracked, is not used at inference)."""
@@ -378,7 +422,7 @@ def load_inception(path=None, cache_dir=None):
     if os.path.exists(cached):
         inception = _inception_with(dit.read_npz(cached), path)
     else:
-        state_dict = dit.load_torch(path)
+        state_dict = load_torch(path)
         inception = _inception_with(state_dict, path)  # checks the weights before they are cached
         try:  # write then rename, so that an interrupted run never leaves half a cache file
             os.makedirs(cache_dir, exist_ok=True)
@@ -825,8 +869,8 @@ class ImageFolder:
     """
 
     def __init__(self, root, count=None):
-        paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                       if f.lower().endswith(dit.IMAGE_EXTENSIONS))
+        loose, subfolders = dit.image_files(root)
+        paths = sorted(loose + [path for found in subfolders.values() for path in found])
         if not paths:
             raise dit.InputError(
                 f"no images ({', '.join(dit.IMAGE_EXTENSIONS)}) under {root}; give a "

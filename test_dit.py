@@ -3776,7 +3776,9 @@ def test_torch_handbuilt_checkpoint(tmp_path, fmt):
     path = str(tmp_path / "ckpt.pt")
     (_write_zip(path, obj, storages) if fmt == "zip"
      else _write_legacy(path, obj, storages, itemsizes))
-    ckpt = dit.load_torch(path)
+    if fmt == "legacy":  # only fid.py reads it, for pytorch-fid's weights; dit.py says so
+        _refused(dit.load_torch, path, "legacy format .*, which only fid.py reads")
+    ckpt = fid.load_torch(path)
     for name, (want, dtype) in expected.items():
         got = ckpt["model"][name]
         assert got.shape == want.shape and got.dtype == dtype, name
@@ -3814,7 +3816,7 @@ def test_torch_legacy_inception_keys():
     """torch.save's legacy format, as pytorch-fid's weights file has it: the file holds the real
     file's 566 keys and storage types, every dimension cut to at most 2, with the random weights
     that random_inception.py draws for those shapes from the reference's seed."""
-    sd = dit.load_torch(fixture("inception_random_legacy.pth"))
+    sd = fid.load_torch(fixture("inception_random_legacy.pth"))
     keys = json.load(open(fixture("pt_inception_keys.json")))
     assert list(sd) == list(keys) and len(keys) == 566
     small = {k: dict(v, shape=[min(d, 2) for d in v["shape"]]) for k, v in keys.items()}
@@ -3849,7 +3851,7 @@ def test_torch_refuses_malicious_pickle(tmp_path):
     _write_legacy(str(tmp_path / "evil.pth"), evil, {}, {})
     for name in ("evil.pt", "evil.pth"):
         with pytest.raises(dit.UnsafePickleError, match="os.system.*malicious"):
-            dit.load_torch(str(tmp_path / name))
+            fid.load_torch(str(tmp_path / name))
     # Allowing a harmless global does not open the door to others.
     allowed = {("collections", "OrderedDict"): dict}
     assert dit.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("collections", "OrderedDict")))),
@@ -3881,7 +3883,7 @@ def test_torch_damaged_files_give_clear_errors(tmp_path):
         path = tmp_path / ("case_" + name)
         path.write_bytes(raw)
         with pytest.raises(ValueError, match=message) as info:
-            dit.load_torch(str(path))
+            fid.load_torch(str(path))
         assert str(path) in str(info.value), name
 
 
@@ -4000,7 +4002,7 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception, inception_weights)
     # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's
     # minus fc.bias.
     expected_is = fid.inception_score(
-        logits - dit.load_torch(inception_weights)["fc.bias"])[0]
+        logits - fid.load_torch(inception_weights)["fc.bias"])[0]
     # The score sits close to 1 with random weights, so compare what lies above 1.
     assert (expected_is > 1.0001
             and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1))
@@ -4217,7 +4219,7 @@ def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
     reference features."""
     ref = np.load(fixture("adm_reference.npz"))
     pool = np.concatenate([ref["set32_pool"], ref["set256_pool"], ref["set384_pool"]])
-    weight = dit.load_torch(inception_weights)["fc.weight"]  # (1008, 2048)
+    weight = fid.load_torch(inception_weights)["fc.weight"]  # (1008, 2048)
     for split_size in (5000, 32):  # one part; parts of 32 and the rest
         score = fid.inception_score(pool.astype(np.float64) @ weight.T, split_size=split_size)[0]
         expected = float(ref[f"is_{split_size}"])
@@ -5136,14 +5138,14 @@ COMMAND_CASES = {
     "sample zip builtins.eval": ("dit.py", ["sample", "--ckpt", "zip_eval.pt"], "zip_eval.pt",
                                  "builtins.eval"),
     "sample legacy OBJ": ("dit.py", ["sample", "--ckpt", "legacy_obj.pt"], "legacy_obj.pt",
-                          "os.system"),
+                          "only fid.py reads"),
     "sample safetensors header 2**60": ("dit.py", ["sample", "--ckpt", "header_2_60.safetensors"],
                                         "header_2_60.safetensors", f"claims {1 << 60} bytes"),
     "sample safetensors past the end": ("dit.py", ["sample", "--ckpt", "beyond_end.safetensors"],
                                         "beyond_end.safetensors", f"bytes 0..{1 << 42}"),
     "sample --vae legacy GLOBAL+REDUCE": ("dit.py", ["sample", "--ckpt", "small.npz", "--vae",
                                                      "legacy_reduce.pth"], "legacy_reduce.pth",
-                                          "os.system"),
+                                          "only fid.py reads"),
     "export npz object array": ("dit.py", ["export", "--ckpt", "object.npz", "--out",
                                            "x.safetensors"], "object.npz", "objects"),
     "export npz header claims 2**40": ("dit.py", ["export", "--ckpt", "header_2_40.npz", "--out",
@@ -5278,7 +5280,7 @@ def test_hand_written_files_are_read_when_honest(tmp_path):
     _write_zip(tmp_path / "good.pt", state_dict, {"0": values.tobytes()})
     _write_legacy(tmp_path / "good.pth", state_dict, {"0": values.tobytes()}, {"0": 4})
     for name in ("good.pt", "good.pth"):
-        got = dit.load_torch(str(tmp_path / name))["w"]
+        got = fid.load_torch(str(tmp_path / name))["w"]
         np.testing.assert_array_equal(got, values.reshape(2, 3))
     write_zip_entries(tmp_path / "good.npz", [("a.npy", npy_header((2, 3), np.float32)
                                                + values.tobytes())])
@@ -5308,14 +5310,14 @@ def test_torch_reader_refuses_code_in_every_form(hostile, tmp_path):
         _write_legacy(tmp_path / f"{name}_legacy.pth", {"w": _Pickled(raw)}, {}, {})
         _write_zip(tmp_path / f"{name}_zip.pt", {"w": _Pickled(raw)}, {})
         for path in (f"{name}.pt", f"{name}_legacy.pth", f"{name}_zip.pt"):
-            _refused(dit.load_torch, tmp_path / path, re.escape(names[name]),
+            _refused(fid.load_torch, tmp_path / path, re.escape(names[name]),
                      dit.UnsafePickleError)
     assert not marker.exists() and not os.path.exists(hostile["marker"])
 
 
 def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
     _refused(dit.load_torch, hostile["zip_numel_2_40.pt"], f"claims {1 << 40} elements")
-    _refused(dit.load_torch, hostile["legacy_numel_2_60.pth"], f"claims {1 << 60} elements")
+    _refused(fid.load_torch, hostile["legacy_numel_2_60.pth"], f"claims {1 << 60} elements")
     _refused(dit.load_torch, hostile["bytes8_8GiB.pt"], f"expected {1 << 33} bytes")
     _refused(dit.load_torch, hostile["empty.pt"], "empty")
     # The count before a legacy storage's bytes disagrees with the pickle.
@@ -5323,7 +5325,7 @@ def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
                   {"0": bytes(16)}, {"0": 4})
     raw = (tmp_path / "count.pth").read_bytes()
     (tmp_path / "count.pth").write_bytes(raw[:-24] + struct.pack("<q", 1 << 60) + raw[-16:])
-    _refused(dit.load_torch, tmp_path / "count.pth", f"holds {1 << 60} elements where 4")
+    _refused(fid.load_torch, tmp_path / "count.pth", f"holds {1 << 60} elements where 4")
     # One memo index makes the unpickler allocate and zero twice as many 8-byte slots: 256 MiB
     # here, enough to fail the bound without straining the machine should the check go (an index
     # of 2**30 takes 16 GiB).
