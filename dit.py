@@ -1284,8 +1284,7 @@ def named_params(model):
 
 
 def set_params(model, named):
-    """Set every weight of `model` from {dotted path: array}. The model may be abstract (built by
-    nnx.eval_shape, so that no random initialisation is computed only to be overwritten)."""
+    """Set every weight of `model` from {dotted path: array}; the model may be nnx.eval_shape's."""
     state = nnx.state(model, WEIGHTS)
     like = nnx.to_pure_dict(state)
     leaves = [jnp.asarray(named[name], leaf.dtype) for name, leaf in flatten(like).items()]
@@ -1307,28 +1306,20 @@ def torch_name(name):
     return ".".join(parts)
 
 
-def to_torch_layout(name, value):
-    """Our layout -> PyTorch's for the weight `name`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are alike."""
+def to_torch_layout(name, value, inverse=False):
+    """Our layout -> PyTorch's for the weight `name` (PyTorch's -> ours if `inverse`): linear
+    kernels (in, out) <-> (out, in), convolution kernels HWIO <-> OIHW; other weights are alike."""
     if not name.endswith("kernel"):
         return value
-    return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
-
-
-def from_torch_layout(name, value):
-    """PyTorch's layout -> ours, the inverse of to_torch_layout."""
-    if not name.endswith("kernel"):
-        return value
-    return value.T if value.ndim == 2 else value.transpose(2, 3, 1, 0)
+    axes = (2, 3, 1, 0) if inverse else (3, 2, 0, 1)
+    return value.T if value.ndim == 2 else value.transpose(axes)
 
 
 def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
     """Copy a PyTorch state dict (numpy arrays) into `model` and return it: the one loader of the
-    official DiT's, the SD VAE's and (fid.py) the Inception's weights. Each weight is read from the
-    key torch_name gives it (or `names`, {key: our name}), in from_torch_layout's layout (a linear
-    weight that old files store as a 1x1 convolution squeezed). Weights the file lacks, keys the
-    model lacks (but those that the regular expression `skip` matches) and shapes that differ are
-    named, with `fix`: they mean the file holds another model. `what` names the file."""
+    official DiT's, the SD VAE's and fid.py's Inception's weights, each from the key torch_name
+    gives it (or `names`, {key: our name}). Missing or unexpected keys (but those `skip` matches)
+    and other shapes are named with `fix`: the file `what` holds another model."""
     ours = named_params(model)
     names = names or {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
@@ -1348,7 +1339,7 @@ def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
         if value.shape != shape:
             raise InputError(f"{what}: {key} has shape {list(value.shape)}, the "
                              f"{type(model).__name__} expects {list(shape)}; {fix}")
-        values[name] = from_torch_layout(name, value)
+        values[name] = to_torch_layout(name, value, inverse=True)
     return set_params(model, values)
 
 
@@ -1374,8 +1365,8 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or the official train.py's, whose EMA weights are taken), read by load_torch; its configuration
-    from the weights' shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
+    or train.py's, whose EMA weights are taken), read through load_torch (section 17); its
+    configuration from their shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
@@ -1423,8 +1414,8 @@ class VAEConfig:
 
     @classmethod
     def from_json(cls, path):
-        """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
-        ignored, options this implementation does not build refused rather than ignored."""
+        """Read a diffusers config.json through read_json (section 19); keys that do not change
+        the network (sample_size, ...) are ignored, options not built here refused."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda c: isinstance(c, dict), "a diffusers config (an object)", fix)
         required = {"_class_name": "AutoencoderKL", "act_fn": "silu", "use_quant_conv": True,
@@ -1469,8 +1460,7 @@ def _group_norm(channels, groups, dtype, rngs):
 
 
 class VAEResnetBlock(nnx.Module):
-    """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut
-    when the channel count changes."""
+    """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut."""
 
     def __init__(self, cin, cout, groups, *, dtype, rngs):
         self.norm1 = _group_norm(cin, groups, dtype, rngs)
@@ -1508,26 +1498,18 @@ class VAEAttention(nnx.Module):
         return x + out.reshape(B, H, W, C)
 
 
-class VAEDownsample(nnx.Module):
-    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1), not symmetrically, a
-    quirk inherited from the original LDM code; the weights were trained with it."""
+class VAEResample(nnx.Module):
+    """A 3x3 conv that halves the resolution (down: stride 2; diffusers pads left 0, right 1, top
+    0, bottom 1, a quirk of the original LDM code that the weights were trained with) or, after a
+    nearest-neighbour x2, keeps the doubled one (diffusers Upsample2D with use_conv=True)."""
 
-    def __init__(self, channels, *, dtype, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
-                             dtype=dtype, rngs=rngs)
+    def __init__(self, channels, down, *, dtype, rngs):
+        self.down = down
+        self.conv = nnx.Conv(channels, channels, (3, 3), strides=2 if down else 1,
+                             padding=((0, 1), (0, 1)) if down else 1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C)
-        return self.conv(x)
-
-
-class VAEUpsample(nnx.Module):
-    """Nearest-neighbour x2 then a 3x3 conv (diffusers Upsample2D with use_conv=True)."""
-
-    def __init__(self, channels, *, dtype, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):  # (B, H, W, C) -> (B, 2H, 2W, C)
-        return self.conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
+    def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C) down, (B, 2H, 2W, C) up
+        return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 
 class DownEncoderBlock(nnx.Module):
@@ -1537,8 +1519,8 @@ class DownEncoderBlock(nnx.Module):
     def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
                                                 rngs=rngs) for i in range(n)])
-        self.downsamplers = nnx.List([VAEDownsample(cout, dtype=dtype, rngs=rngs)] if downsample
-                                     else [])
+        self.downsamplers = nnx.List([VAEResample(cout, True, dtype=dtype, rngs=rngs)]
+                                     if downsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.downsamplers]:
@@ -1547,12 +1529,13 @@ class DownEncoderBlock(nnx.Module):
 
 
 class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step but in the last one."""
+    """diffusers UpDecoderBlock2D: DownEncoderBlock's mirror image."""
 
     def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
                                                 rngs=rngs) for i in range(n)])
-        self.upsamplers = nnx.List([VAEUpsample(cout, dtype=dtype, rngs=rngs)] if upsample else [])
+        self.upsamplers = nnx.List([VAEResample(cout, False, dtype=dtype, rngs=rngs)]
+                                   if upsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.upsamplers]:
@@ -1829,7 +1812,8 @@ def _find_idx(data_dir: str, stem: str) -> str | None:
 
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files; the 10,000 test digits stand in when only they are there."""
+    """The official MNIST IDX files, through read_idx (section 18); the 10,000 test digits stand
+    in when only they are there."""
     for split in ("train", "t10k"):
         images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
         labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
@@ -1865,7 +1849,8 @@ _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
     """(where, {name: batch}) of the five training batches and batches.meta, from an extracted
-    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing)."""
+    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing),
+    each through _unpickle_cifar and the archive through _CappedGzip (section 18)."""
     for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(folder, "data_batch_1")):
             found = {}
@@ -2047,7 +2032,8 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
 
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with
-    --pixels R), memory-mapped so that the whole set never has to fit in host memory."""
+    --pixels R), memory-mapped so that the whole set never has to fit in host memory; its JSON
+    through read_json (section 19)."""
     hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
             f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
             f"the folder it wrote")
@@ -2225,7 +2211,7 @@ class Loader:
 #################################################################################
 
 def to_host(x):
-    """A global array as one numpy array on this host, gathered from the hosts it is spread over."""
+    """A global array as one numpy array on this host, gathered from the hosts it spans."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -2303,8 +2289,7 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path, names=None):
-    """(metadata, arrays) of a checkpoint via read_npz: no pickle, and no size taken on trust. With
-    `names`, only those arrays are read."""
+    """(metadata, arrays) of a checkpoint, through read_npz (section 18): only `names` if given."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
         arrays = read_npz(path, None if names is None else ["__meta__", *names])
@@ -4226,12 +4211,18 @@ def main(argv=None):
 #                          PART IV: FILES FROM OUTSIDE                          #
 #                                                                               #
 #################################################################################
-# Every byte that comes from a file a user gave or downloaded is read here, by readers that check
-# each claim of the file (a length, a shape, an offset) against what is really there before
-# allocating anything, and that run no code from it. A file that fails a check raises InputError,
-# which names the file and says what to do; the command lines print it as one line (run_cli,
-# section 16). The harness above calls each reader in one line: the one place where the book
-# refers forward, by design, so that every reader of outside bytes stands together.
+# The readers of the files a user gives or a download brings: weight files, checkpoints, arrays,
+# MNIST's and CIFAR-10's files, JSON. (PIL decodes images, in load_image; numpy maps prepared .npy
+# files, in _load_imagenet100, checking their headers against their sizes; fid.py reads torch's
+# legacy format with the checks below.) What each reader guarantees:
+# - every claim of the file (a length, a shape, an offset, a count) is checked against the bytes
+#   really there before anything is allocated for it: a small file cannot ask for much memory;
+# - no code from the file runs: pickles go through safe_unpickle, which resolves only the names
+#   of an explicit table, and .npy files are read without pickle;
+# - a file that fails a check raises InputError naming the file and what to do, which the command
+#   lines print as one line (run_cli, section 16).
+# Part III calls forward into these readers: the one forward reference of the book, by design, so
+# that every reader of outside bytes stands together.
 
 #################################################################################
 #                  17. Pickles and PyTorch files, without torch                 #
@@ -4263,19 +4254,24 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f"run.") from None
 
 
+def _read_at_most(f, n):
+    """Up to n bytes of f, read in pieces of 1 MiB: a count larger than the data really there
+    allocates no more than that data (a single read would allocate all n at once)."""
+    pieces = []
+    while n > 0 and (piece := f.read(min(n, 1 << 20))):
+        pieces.append(piece)
+        n -= len(piece)
+    return b"".join(pieces)
+
+
 class _Recorder:
-    """A file as pickletools.genops reads it, keeping what was read. Reads go in pieces of at most
-    1 MiB, so that a count in a pickle larger than its data allocates no more than the data."""
+    """A file as pickletools.genops reads it (through _read_at_most), keeping what was read."""
 
     def __init__(self, f):
         self.f, self.parts = f, []
 
     def read(self, n):
-        pieces = []
-        while n > 0 and (piece := self.f.read(min(n, 1 << 20))):
-            pieces.append(piece)
-            n -= len(piece)
-        self.parts.append(b"".join(pieces))
+        self.parts.append(_read_at_most(self.f, n))
         return self.parts[-1]
 
     def readline(self):
@@ -4347,30 +4343,21 @@ class _Storage(_Record):
 
 
 class _Tensor(_Record):
-    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, for _materialize."""
+    """What `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks
+    [, metadata])` rebuilds a tensor from, here only where its elements are, for _materialize."""
     __slots__ = ("storage", "offset", "size", "stride")
 
-    def __init__(self, storage, offset, size, stride):
+    def __init__(self, storage, offset, size, stride, *_):
         self.storage, self.offset, self.size, self.stride = (storage, offset, tuple(size),
                                                              tuple(stride))
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
-                       backward_hooks=None, metadata=None):
-    """What torch calls to rebuild a tensor; here it only records where its elements are."""
-    return _Tensor(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(data, requires_grad, backward_hooks):
-    return data  # an nn.Parameter is just its tensor here
 
 
 # Everything a torch.save file of tensors, state dicts and official DiT training checkpoints
 # ({"model", "ema", "opt", "args"}) names. argparse.Namespace becomes a SimpleNamespace: same
 # attribute access, no argparse behaviour.
 _TORCH_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_tensor_v2"): _Tensor,
+    ("torch._utils", "_rebuild_parameter"): lambda data, *_: data,  # a Parameter is its tensor
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("argparse", "Namespace"): types.SimpleNamespace,
     **{("torch", name): _StorageType(name) for name in _TORCH_STORAGE_DTYPES},
@@ -4741,12 +4728,7 @@ def read_idx(path: str) -> np.ndarray:
             if nbytes > (_DEFLATE_MAX_RATIO if gzipped else 1) * size:
                 raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes), "
                                  f"more than the file can hold ({size} bytes); {fix}")
-            # In pieces: a single read would allocate all that the header claims, at once.
-            pieces, left = [], nbytes + 1  # one byte more tells a file that goes on
-            while left and (piece := stream.read(min(left, 1 << 20))):
-                pieces.append(piece)
-                left -= len(piece)
-            data = b"".join(pieces)
+            data = _read_at_most(stream, nbytes + 1)  # one byte more tells a file that goes on
         except (OSError, EOFError, zlib.error) as e:
             raise InputError(f"{path}: damaged gzip data ({e}); {fix}") from None
     if len(data) != nbytes:

@@ -5,8 +5,9 @@ OpenAI's evaluator or pytorch-fid computes them.
 The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two
 Time-Scale Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by
 pytorch-fid (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file
-directly, without torch, through dit.py's restricted reader of PyTorch files (dit.py holds every
-reader of untrusted files, so fid.py needs it beside, or pasted into the same notebook). Images
+directly, without torch, through dit.py's restricted reader of PyTorch files and, for that file's
+legacy format, load_torch here (dit.py holds the readers of untrusted files that both use, so
+fid.py needs it beside, or pasted into the same notebook). Images
 reach the network by one of two protocols (PROTOCOLS): `adm`, the way OpenAI's evaluator
 (openai/guided-diffusion, evaluations/evaluator.py) feeds the TF graph, which gave every figure of
 the DiT paper, or `pytorch-fid`'s.
