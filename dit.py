@@ -1768,9 +1768,8 @@ class Dataset:
 
     def inputs(self, idx, flip, eps=None):
         """Model inputs x float32 (B, H, W, C) and labels y int32 (B,) (zeros when unconditional)
-        of the samples idx (B,): pixels in [-1, 1] mirrored where flip (B,) is true, or latents
-        z = (mean + std * eps) * latent_scale of the image or, where flip is true, of its stored
-        mirror image, with the noise eps (B, h, w, C)."""
+        of the samples idx (B,), mirrored where flip (B,) is true: pixels in [-1, 1], or latents
+        drawn with the noise eps (B, h, w, C)."""
         if self.is_latent:
             c = self.input_shape[-1]
             stats = np.asarray(self.x[idx, flip.astype(np.int64)], np.float32)  # (B, h, w, 2C)
@@ -1972,8 +1971,8 @@ def load_image(path, size=None):
 
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
-    """Every image under data_dir, centre-cropped as ADM/DiT do if a resolution is given: one
-    sub-folder per class (labels follow the sorted names), or all loose in data_dir, unlabelled."""
+    """Every image under data_dir (image_files), centre-cropped as ADM/DiT do if a resolution is
+    given: one sub-folder per class (labels follow the sorted names), or all loose, unlabelled."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"image folder {data_dir} does not exist")
     loose, subfolders = image_files(data_dir)
@@ -4233,9 +4232,8 @@ class UnsafePickleError(InputError, pickle.UnpicklingError):
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler whose only way to reach Python objects is an explicit table: a pickle can call
-    any importable function (`os.system` included) by naming it, and every such name goes through
-    `find_class`, so refusing unknown names here means nothing from the file can run."""
+    """An unpickler that reaches Python objects only through an explicit table: a pickle can call
+    any importable function (`os.system`) by naming it, and every name goes through find_class."""
 
     def __init__(self, fileobj, allowed, persistent_load, encoding):
         super().__init__(fileobj, encoding=encoding)
@@ -4285,12 +4283,10 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
     or "latin1". A damaged pickle raises pickle.UnpicklingError.
 
-    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
-    and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
-    `LONG_BINPUT 2**30` alone takes 16 GiB. Hence the opcodes are read first (up to STOP), each
-    count against the data really there, and a memo index may not exceed the opcodes before it (a
-    pickler numbers its entries in order): no pickle makes the unpickler allocate much more than
-    its own size."""
+    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8),
+    or a zeroed memo twice the largest index stored into it (`LONG_BINPUT 2**30`: 16 GiB). Hence
+    the opcodes are read first, each count against the data really there, and a memo index may not
+    exceed the opcodes before it (a pickler numbers its entries in order)."""
     recorder = _Recorder(fileobj)
     try:
         for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
@@ -4326,7 +4322,7 @@ class _Record:
 
 
 class _StorageType(_Record):
-    """Stand-in for a `torch.*Storage` class: only carries the element type."""
+    """Stand-in for a `torch.*Storage` class: its element type."""
     __slots__ = ("name", "dtype")
 
     def __init__(self, name):
@@ -4399,12 +4395,8 @@ def _storage_array(storage, raw, little_endian):
 
 def _materialize(path, obj, file_size):
     """Replace every _Tensor in a nested structure by a numpy array (a copy, not a file view).
-
-    A file holds each storage once, but any number of tensors can view one storage, so a few bytes
-    of pickle per tensor could ask for far more memory than the file holds. Only views of one
-    storage (tied weights) make the tensors of a real file larger than the file, so the copies may
-    add up to 8 times its size.
-    """
+    Any number of tensors can view one storage, a few bytes of pickle each; in a real file only
+    tied weights do, so the copies may add up to 8 times the file's size, no more."""
     left = 8 * file_size
 
     def convert(obj):
@@ -4628,11 +4620,8 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 def read_safetensors(path):
     """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
     mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
-    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32.
-
-    Every tensor is a copy of its bytes, so tensors that share bytes could add up to any multiple
-    of the file: like every claim of the header, their spans are checked before anything is made.
-    """
+    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32. Tensors are
+    copies, so spans that overlap are refused: they could add up to any multiple of the file."""
     def bad(problem):
         return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
                           f"downloaded, it may be incomplete; delete it and fetch it again.")
@@ -4702,11 +4691,8 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order.
-
-    The elements are read only once the header's size is checked against the file (for gzip,
-    against the most that deflate can expand it to), and no further: a small file cannot make it
-    allocate, or decompress, more than it could hold."""
+    dimensions, one big-endian uint32 per dimension, then the elements in C order. The header's
+    size is checked against the file (gzip: the most deflate expands it to) before reading."""
     fix = "delete it and download it again"
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -4765,9 +4751,8 @@ _CIFAR_PICKLE_GLOBALS = {
 
 
 class _CappedGzip(gzip.GzipFile):
-    """A gzip file that refuses to read past `limit` uncompressed bytes. tarfile allocates what a
-    header claims before reading it, and a few kilobytes of gzip can expand to gigabytes: with
-    this, no archive costs more than `limit`."""
+    """A gzip file that refuses to read past `limit` uncompressed bytes: tarfile allocates what a
+    header claims, and a few kilobytes of gzip can expand to gigabytes."""
 
     def __init__(self, path, limit):
         super().__init__(path, "rb")

@@ -63,11 +63,11 @@ EXPECTED_CLASSES = 100
 #################################################################################
 
 def find_images(src, split, classes=None):
-    """List the images of a split. The Kaggle layout keeps the training classes in train.X1 ...
-    train.X4 and validation in val.X; without train.X* folders `src` itself is taken as the
-    class-folder tree. `classes` (wnids in label order) pins the labels, so that val uses train's.
-    Returns (classes, files, labels, warnings), files relative to `src` and sorted, which fixes the
-    order chunks are cut in."""
+    """List the images of a split, as dit.image_files finds them. The Kaggle layout keeps the
+    training classes in train.X1 ... train.X4 and validation in val.X; without train.X* folders
+    `src` itself is taken as the class-folder tree. `classes` (wnids in label order) pins the
+    labels, so that val uses train's. Returns (classes, files, labels, warnings), files relative
+    to `src` and sorted, which fixes the order chunks are cut in."""
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source folder {src} does not exist")
     if split == "val":

@@ -1882,6 +1882,27 @@ def test_folder_empty(tmp_path):
         load_dataset("folder")
 
 
+def test_image_files_is_the_one_rule_of_the_three_files(tmp_path):
+    """dit.py's folder dataset, fid.py's folders and prepare_imagenet100.py's class folders see
+    the same images: any-case image extensions at any depth, hidden names skipped."""
+    for name in ("a/x.PNG", "a/deep/y.jpg", "a/.hidden.png", "a/.ipynb_checkpoints/z.png",
+                 "a/notes.txt", "b/w.jpeg", "loose.png", ".git/q.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / name, format="PNG")
+    want = {"a": ["a/deep/y.jpg", "a/x.PNG"], "b": ["b/w.jpeg"]}
+    loose, subfolders = dit.image_files(str(tmp_path))
+    assert loose == [str(tmp_path / "loose.png")]
+    assert subfolders == {k: [str(tmp_path / p) for p in v] for k, v in want.items()}
+    classes, files, labels, _ = prepare_imagenet100.find_images(str(tmp_path), "train")
+    assert classes == ["a", "b"] and files == want["a"] + want["b"]
+    assert labels.tolist() == [0, 0, 1]
+    assert fid.load_images(str(tmp_path)).paths == [
+        str(tmp_path / p) for p in want["a"] + want["b"] + ["loose.png"]]
+    with pytest.warns(UserWarning, match="1 images directly"):
+        ds = load_dataset("folder", str(tmp_path))
+    assert ds.labels.tolist() == [0, 0, 1] and ds.class_names == ["a", "b"]
+
+
 def write_prepared(out, n=12, h=2, w=3, c=4, pixels=None, seed=0):
     """A prepare_imagenet100.py output folder written by hand. Latents: mean and std of the image
     and of its flip are kept apart (flip means are negative, image means positive) so a test can
