@@ -875,21 +875,21 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 #                                  7. Sampling                                  #
 #################################################################################
 
-def guides(cfg, cfg_scale):
-    """Whether a model of configuration cfg samples with guidance at cfg_scale: not at 1, nor
-    without classes; one trained without label dropout has no null label to guide with."""
+def check_guidance(cfg, cfg_scale):
+    """Refuse guidance (cfg_scale != 1) of a class-conditional model of configuration cfg that was
+    trained without label dropout: it has no null label to guide with."""
     if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
         raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
                          f"dropout, so it has no null label to guide with; sample at scale 1")
-    return cfg_scale != 1 and cfg.num_classes > 0
 
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
            interval=None, return_trajectory=False):
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
-    Pure; jit it."""
-    if guides(model.cfg, cfg_scale):
+    Pure; jit it. A model without classes samples unguided at any scale."""
+    check_guidance(model.cfg, cfg_scale)
+    if cfg_scale != 1 and model.cfg.num_classes:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
@@ -2504,7 +2504,7 @@ def check_batch_size(batch_size):
 
 def model_config(args, input_size, in_channels, num_classes):
     """The DiTConfig of model_options' options (switches resolved by main) for this input."""
-    with flag(f"--patch {args.patch}"):
+    with errors_named(f"--patch {args.patch}"):
         return dit_config(f"{args.size}/{args.patch}", input_size=input_size,
                           in_channels=in_channels, num_classes=num_classes,
                           learn_sigma=OBJECTIVES[args.objective].learn_sigma,
@@ -3198,23 +3198,6 @@ def count_label(n):
     return f"{n / 1000:g}K" if n and n % 1000 == 0 else f"{n:.0f}"
 
 
-def generate(sampler, params, n, batch_size, shape, num_classes, seed):
-    """(images (n, H, W, 3), labels (n,)): n uint8 samples, labels spread evenly over the classes
-    (sample_ddp.py's random ones add variance to FID), in global batches of batch_size."""
-    labels = spread_labels(n, num_classes)
-    chunks = []
-    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
-                  disable=jax.process_index() != 0):
-        y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
-        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
-        key = jax.random.fold_in(jax.random.key(seed + 1), i)
-        chunks.append(sampler(params, noise, jnp.asarray(y), key))
-    images = np.concatenate(chunks)[:n]
-    if images.shape[-1] == 1:  # grayscale (MNIST): Inception and OpenAI's evaluator take RGB
-        images = np.repeat(images, 3, axis=-1)
-    return images, labels
-
-
 def fid_module():
     """fid.py, with FID's Inception network: the file beside this one, or its text run in a cell."""
     try:
@@ -3227,12 +3210,45 @@ def fid_module():
     return fid
 
 
-def evaluate_samples(images, ref, inception):
-    """fid.scores (FID, sFID, Inception Score, Precision, Recall), as many as the reference (a path
-    or fid.load_reference's dict, whose protocol is used) allows, by fid.load_inception's network.
-    Every process holds all samples, feeds its share, and fid.py combines the statistics."""
+def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, inception=None,
+                     reference=None, save=None):
+    """(images (n, H, W, 3) uint8, labels (n,), scores): the one path from weights to FID of
+    training (Evaluator.fid), `sample --fid` and `bench --fid`, so that their figures compare.
+    n samples of `sampler` in global batches of batch_size, labels spread evenly over the classes
+    (sample_ddp.py's random ones add variance to FID); save(images, labels) where given, before
+    the scoring, whose failure then loses no samples; given either, fid.evaluate's scores by the
+    `inception` network against `reference` (fid.load_reference's dict, whose protocol is used;
+    None: the Inception Score and the features alone), else None. Every process holds all samples and feeds
+    its share; fid.py combines the statistics. sampler.seconds["Inception"] sums scoring time."""
+    labels = spread_labels(n, num_classes)
+    chunks = []
+    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
+                  disable=jax.process_index() != 0):
+        y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
+        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
+        key = jax.random.fold_in(jax.random.key(seed + 1), i)
+        chunks.append(sampler(params, noise, jnp.asarray(y), key))
+    images = np.concatenate(chunks)[:n]
+    if images.shape[-1] == 1:  # grayscale (MNIST): Inception and OpenAI's evaluator take RGB
+        images = np.repeat(images, 3, axis=-1)
+    if save:
+        save(images, labels)
+    if inception is None and reference is None:
+        return images, labels, None
+    start = time.perf_counter()
     share = images[jax.process_index()::jax.process_count()]
-    return fid_module().evaluate(share, ref=ref, inception=inception)
+    scores = fid_module().evaluate(share, ref=reference, inception=inception)
+    sampler.seconds["Inception"] = (sampler.seconds.get("Inception", 0.0)
+                                    + time.perf_counter() - start)
+    return images, labels, scores
+
+
+def fid_record(scores):
+    """metrics.jsonl's fields of fid.evaluate's `scores`, as training and `sample --fid` log them
+    for `report`: the figures, their sample count and protocol."""
+    return {"fid_samples": scores["count"], "fid_protocol": scores["protocol"],
+            **{k: v for k, v in scores.items()
+               if np.ndim(v) == 0 and k not in ("count", "protocol")}}
 
 
 # The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
@@ -3294,9 +3310,9 @@ class Evaluator:
         def grid_inputs():  # made once where the sampler takes them: an evaluation moves nothing
             return (jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape)),
                     jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2))
-        split = NamedSharding(mesh, P("data"))
+        batch = NamedSharding(mesh, P("data"))
         self.grid_noise, self.grid_labels, self.grid_key = jax.jit(
-            grid_inputs, out_shardings=(split, split, NamedSharding(mesh, P())))()
+            grid_inputs, out_shardings=(batch, batch, NamedSharding(mesh, P())))()
         self.args, refs = args, [args.fid_ref] if args.fid_ref else []
         if not refs and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
@@ -3311,7 +3327,7 @@ class Evaluator:
         # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares.
         # They are padded (by repeats of the first ones) to a multiple of the devices, so that
         # any count splits over them; validation_losses leaves the padding out.
-        k, batch = len(held_out), NamedSharding(mesh, P("data"))
+        k = len(held_out)
         if k:
             eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
             x, y = ds.inputs(held_out, np.zeros(k, bool), eps if ds.is_latent else None)
@@ -3346,13 +3362,11 @@ class Evaluator:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
-        images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
-                             self.num_classes, self.args.seed)
-        result = evaluate_samples(images, self.reference, self.inception)
-        scores = ("fid", "sfid", "inception_score", "precision", "recall")
-        log.write({"step": step, "fid_samples": result["count"], "fid_protocol": result["protocol"],
-                   **{key: result[key] for key in scores}})
-        print(f"step {step}: {fid_module().describe(result)}")
+        *_, scores = sample_and_score(self.fid_sampler, params, n, self.args.batch_size,
+                                      self.shape, self.num_classes, self.args.seed,
+                                      self.inception, self.reference)
+        log.write({"step": step, **fid_record(scores)})
+        print(f"step {step}: {fid_module().describe(scores)}")
 
 
 #################################################################################
@@ -3375,24 +3389,6 @@ def peak_flops(device):
     if device.platform == "tpu":
         return PEAK_FLOPS.get(device.device_kind)
     return next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
-
-
-def random_weights(build, seed=0):
-    """The module that `build` makes, with random values drawn on the host rather than by its
-    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a minute
-    to compile the InceptionV3's or SD VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are
-    normal, variance 1 / fan-in (product of all dims but the last); vectors (biases, norm scales,
-    BatchNorm statistics) are ones."""
-    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
-    rng = np.random.default_rng(seed)
-
-    def draw(leaf):  # jax.ShapeDtypeStruct -> array
-        if len(leaf.shape) < 2:
-            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
-        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
-        return jnp.asarray(kernel, leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree.map(draw, state))
 
 
 def dit_flops(cfg):
@@ -3430,7 +3426,7 @@ def timed(step, n, profile_dir, name):
 def bench(args):
     """Speed on synthetic data with random weights (speed is independent of them): the training step
     (ms/step, images/s, MFU, peak memory), with --mask-ratio the masked step too, the forward pass
-    of every sampling step, and with --fid N, FID-N end to end (bench_fid). Returns the figures."""
+    of every sampling step, and with --fid N, FID-N end to end (fid.bench_fid). Returns figures."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
     latent_channels = VAEConfig().latent_channels
@@ -3499,48 +3495,9 @@ def bench(args):
     print(f"  forward: compile {compile_s:.1f} s | {speed(dit_flops(cfg) * n, forward_s)}")
     figures["forward_images_per_s"] = n / forward_s
     if args.fid:
-        figures["fid_seconds"] = bench_fid(args, cfg, objective, graphdef, state["params"], mesh,
-                                           shape)
+        figures["fid_seconds"] = fid_module().bench_fid(args, cfg, objective, graphdef,
+                                                        state["params"], mesh, shape)
     return figures
-
-
-def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
-    """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
-    guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype, the Inception statistics and features
-    (fid.evaluate, adm protocol), Precision and Recall against N reference features (the samples',
-    reversed). A first pass compiles each phase at the timed shapes. Left out: the Frechet distances
-    (FID, sFID), host-side and independent of N. Returns each phase's seconds and the total."""
-    vae_cfg = VAEConfig()
-    vae = random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
-                                                   rngs=nnx.Rngs(0)))
-    fid = fid_module()
-    inception = random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
-    method, steps = objective.default_method, objective.default_steps
-    sampler = Sampler(graphdef, objective, mesh, steps=steps, method=method,
-                      cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
-    b = args.batch_size
-    start = time.perf_counter()
-    images, _ = generate(sampler, params, b, b, shape, cfg.num_classes, 0)
-    pool = evaluate_samples(np.resize(images, (args.fid, *images.shape[1:])), None,
-                            inception)["pool"]
-    fid.precision_recall(pool[::-1], pool)
-    warm_up = time.perf_counter() - start
-    sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
-    with profiled(args.profile, "fid"):
-        start = time.perf_counter()
-        images, _ = generate(sampler, params, args.fid, b, shape, cfg.num_classes, 0)
-        features = time.perf_counter()
-        pool = evaluate_samples(images, None, inception)["pool"]
-        scores = time.perf_counter()
-        fid.precision_recall(pool[::-1], pool)
-        end = time.perf_counter()
-    seconds = {**sampler.seconds, "Inception": scores - features,
-               "precision_recall": end - scores, "total": end - start}
-    print(f"  FID-{count_label(args.fid)} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
-          f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
-          + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
-          + f" | {args.fid / seconds['total']:.2f} images/s")
-    return seconds
 
 
 #################################################################################
@@ -3873,12 +3830,13 @@ float_list = _parsed(lambda text: [float(part) for part in text.split(",")],
 
 
 @contextlib.contextmanager
-def flag(name):
-    """An InputError of the core about the value that the option `name` gave, with its name."""
+def errors_named(option):
+    """Within it, an InputError of the core about the value that `option` ("--patch 4") gave
+    starts with the option, so that the user knows which one to change."""
     try:
         yield
     except InputError as e:
-        raise InputError(f"{name}: {e}") from None
+        raise InputError(f"{option}: {e}") from None
 
 
 def sample_command(args):
@@ -3902,6 +3860,9 @@ def sample_command(args):
         fid = fid_module() if args.fid and args.ref else None
         reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
         model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+        cfg, latent_scale = model.cfg, meta.get("latent_scale")
+        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+               if latent_scale else None)
         if reference:
             say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
@@ -3909,22 +3870,17 @@ def sample_command(args):
     run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     steps = args.steps or objective.default_steps
     method = args.sampler or objective.default_method
-    say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
-        f"{model.cfg.input_size}x{model.cfg.in_channels}, {objective.name}")
+    say(f"{args.ckpt}: {count_params(model):,} parameters, input {cfg.input_size}x"
+        f"{cfg.input_size}x{cfg.in_channels}, {objective.name}")
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
                          f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
-    cfg = model.cfg
     for scale in scales:
-        with flag(f"--cfg-scale {scale:g}"):
-            guides(cfg, scale)
+        with errors_named(f"--cfg-scale {scale:g}"):
+            check_guidance(cfg, scale)
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
-    latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
-    with on_every_host():  # each host's own VAE weights
-        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
-               if latent_scale else None)
     make_sampler = functools.partial(
         Sampler, nnx.graphdef(model), objective, mesh, steps=steps, method=method,
         guidance_channels=3 if args.guidance_channels == "3" else None, vae=vae,
@@ -3936,28 +3892,28 @@ def sample_command(args):
         for scale, interval in settings:
             setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]"
                                                if interval else "")
+            out = root + ext if len(settings) == 1 else (
+                f"{root}_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval
+                                          else "") + ext)
+
+            def save(images, labels):
+                if jax.process_index() == 0:
+                    write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
+                    print(f"{len(images)} samples ({setting}) -> {out}")
+                if reference:
+                    say(f"scoring them against {args.ref}")
             say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
-            images, labels = generate(make_sampler(cfg_scale=scale, interval=interval), params,
-                                      args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
-            if jax.process_index() == 0:
-                out = root + ext if len(settings) == 1 else (
-                    f"{root}_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval
-                                              else "") + ext)
-                write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
-                print(f"{len(images)} samples ({setting}) -> {out}")
-            if reference:
-                say(f"scoring them against {args.ref}")
-                result = evaluate_samples(images, reference, inception)
+            *_, result = sample_and_score(make_sampler(cfg_scale=scale, interval=interval), params,
+                                          args.fid, args.batch_size, shape, cfg.num_classes,
+                                          args.seed, inception, reference, save)
+            if result:
                 print(f"{setting}: {fid.describe(result)}")
                 scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
                 if run_dir and jax.process_index() == 0:
-                    figures = {k: v for k, v in scores[setting].items()
-                               if k not in ("count", "protocol")}
                     record = {"step": meta["step"], "cfg_scale": scale,
                               "guidance_interval": interval,
                               "guidance_channels": args.guidance_channels, "sampler": method,
-                              "sample_steps": steps, "fid_samples": result["count"],
-                              "fid_protocol": result["protocol"], **figures}
+                              "sample_steps": steps, **fid_record(result)}
                     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                         f.write(json.dumps(record) + "\n")
         if run_dir and reference:

@@ -27,6 +27,7 @@ folders and .npz files, `InceptionFeatures` to stream batches as they are genera
 import concurrent.futures
 import functools
 import hashlib
+import math
 import os
 import reprlib
 import struct
@@ -1049,10 +1050,28 @@ def _is_statistics_file(source):
             and len(dit.read_npz(source, ["mu", "sigma"])) == 2)
 
 
+def random_weights(build):
+    """The module that `build` makes, with random values drawn on the host rather than by its
+    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a minute
+    to compile the InceptionV3's or SD VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are
+    normal, variance 1 / fan-in (product of all dims but the last); vectors (biases, norm scales,
+    BatchNorm statistics) are ones."""
+    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
+    rng = np.random.default_rng(0)
+
+    def draw(leaf):  # jax.ShapeDtypeStruct -> array
+        if len(leaf.shape) < 2:
+            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
+        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
+        return jnp.asarray(kernel, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(draw, state))
+
+
 def benchmark(batch_sizes, image_size=256, steps=5):
     """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not
     depend on them). Each step is timed from host uint8 images to features on the device."""
-    inception = dit.random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
     devices = jax.device_count()
     print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} "
           f"uint8 inputs resized to 299x299")
@@ -1072,6 +1091,45 @@ def benchmark(batch_sizes, image_size=256, steps=5):
         jax.block_until_ready(outputs)
         rate = steps * per_device * devices / (time.perf_counter() - start)
         print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
+
+
+def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
+    """`dit.py bench --fid N`: FID-N timed as `sample --fid N` computes it (dit.sample_and_score),
+    end to end: the objective's default sampler with guidance dit.FID_CFG_SCALE, the full-size SD
+    VAE in dit.vae_dtype, the Inception statistics and features (evaluate, adm protocol), Precision
+    and Recall against N reference features (the samples', reversed). A first pass compiles each
+    phase at the timed shapes. Left out: the Frechet distances (FID, sFID), host-side and
+    independent of N. Returns each phase's seconds and the total."""
+    vae_cfg = dit.VAEConfig()
+    vae = random_weights(lambda: dit.AutoencoderKL(vae_cfg, dtype=dit.vae_dtype(args.precision),
+                                                   rngs=nnx.Rngs(0)))
+    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    method, steps = objective.default_method, objective.default_steps
+    sampler = dit.Sampler(graphdef, objective, mesh, steps=steps, method=method,
+                          cfg_scale=dit.FID_CFG_SCALE, vae=vae,
+                          latent_scale=vae_cfg.scaling_factor)
+    b = args.batch_size
+    start = time.perf_counter()
+    images, _, _ = dit.sample_and_score(sampler, params, b, b, shape, cfg.num_classes, 0)
+    # this process's share of N images, as sample_and_score feeds the Inception
+    images = np.resize(images, (args.fid, *images.shape[1:]))
+    pool = evaluate(images[jax.process_index()::jax.process_count()], inception=inception)["pool"]
+    precision_recall(pool[::-1], pool)
+    warm_up = time.perf_counter() - start
+    sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
+    with dit.profiled(args.profile, "fid"):
+        start = time.perf_counter()
+        images, _, out = dit.sample_and_score(sampler, params, args.fid, b, shape,
+                                              cfg.num_classes, 0, inception)
+        scored = time.perf_counter()
+        precision_recall(out["pool"][::-1], out["pool"])
+        end = time.perf_counter()
+    seconds = {**sampler.seconds, "precision_recall": end - scored, "total": end - start}
+    print(f"  FID-{dit.count_label(args.fid)} ({method}, {steps} steps, guidance "
+          f"{dit.FID_CFG_SCALE}, {images.shape[1]}x{images.shape[2]} images): warm-up "
+          f"{warm_up:.1f} s | " + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
+          + f" | {args.fid / seconds['total']:.2f} images/s")
+    return seconds
 
 
 def _positive_ints(text):

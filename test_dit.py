@@ -3007,6 +3007,35 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
 
 
 @slow
+def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_data, monkeypatch):
+    """A run's final FID and `sample --fid` of its EMA weights, at the same guidance, steps, batch
+    and seed, feed the Inception the same images and log the same fields (dit.sample_and_score)."""
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    monkeypatch.setattr(fid, "load_inception", lambda *args, **kwargs: None)
+    fed = []
+
+    def scores(images, ref, inception):
+        fed.append(images)
+        return {"count": len(images), "protocol": ref["protocol"], "fid": float(images.mean()),
+                "sfid": None, "inception_score": 1.0, "inception_score_std": 0.0,
+                "precision": None, "recall": None}
+    monkeypatch.setattr(fid, "evaluate", scores)
+    run_dir = tmp_path / "run"
+    dit.main(train_args(folder_data, run_dir, 3, ["--final-fid", "6", "--fid-ref", str(ref)]))
+    dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "6", "--steps", "2",
+              "--batch-size", "8", "--ref", str(ref), "--out", str(tmp_path / "s.npz")])
+    assert len(fed) == 2 and fed[0].shape == (6, 8, 8, 3) and fed[0].std() > 0
+    # the same weights, run as training's state and as the exported model: float rounding apart
+    assert np.abs(fed[0].astype(int) - fed[1]).max() <= 1
+    train_fid, sample_fid = [r for r in records(run_dir) if "fid" in r]
+    assert "cfg_scale" not in train_fid and sample_fid["cfg_scale"] == 1.5
+    assert {k: v for k, v in sample_fid.items() if k in train_fid} == {
+        **train_fid, "fid": sample_fid["fid"]}
+    assert sample_fid["fid"] == pytest.approx(train_fid["fid"], abs=0.01)
+
+
+@slow
 def test_sampler_decodes_each_devices_share_in_chunks(tmp_path):
     """Over 2 devices, 7 latents each, 3 at a time (two chunks and a remainder of 1): the images of
     decoding the whole batch at once. The decoder's working memory (XLA's count) stays that of one
@@ -3391,11 +3420,11 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
 
     calls = []
 
-    def scores(images, reference, inception):  # figures that differ from call to call
+    def scores(images, ref, inception):  # figures that differ from call to call
         calls.append(len(images))
-        return {"count": len(images), "protocol": reference["protocol"], "fid": 100.0 + len(calls),
+        return {"count": len(images), "protocol": ref["protocol"], "fid": 100.0 + len(calls),
                 "sfid": None, "inception_score": 1.0, "precision": 0.5, "recall": 0.5}
-    monkeypatch.setattr(dit, "evaluate_samples", scores)
+    monkeypatch.setattr(fid, "evaluate", scores)
     printed = dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "4",
                         "--batch-size", "4", "--steps", "2", "--cfg-scale", "1,3", "--ref",
                         str(ref), "--out", str(tmp_path / "samples.npz")])
