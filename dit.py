@@ -867,21 +867,21 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 #                                  7. Sampling                                  #
 #################################################################################
 
-def guides(cfg, cfg_scale):
-    """Whether a model of configuration cfg samples with guidance at cfg_scale: not at 1, nor
-    without classes; one trained without label dropout has no null label to guide with."""
+def check_guidance(cfg, cfg_scale):
+    """Refuse guidance (cfg_scale != 1) of a class-conditional model of configuration cfg that was
+    trained without label dropout: it has no null label to guide with."""
     if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
         raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
                          f"dropout, so it has no null label to guide with; sample at scale 1")
-    return cfg_scale != 1 and cfg.num_classes > 0
 
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
            interval=None, return_trajectory=False):
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
-    Pure; jit it."""
-    if guides(model.cfg, cfg_scale):
+    Pure; jit it. A model without classes samples unguided at any scale."""
+    check_guidance(model.cfg, cfg_scale)
+    if cfg_scale != 1 and model.cfg.num_classes:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
@@ -1276,8 +1276,7 @@ def named_params(model):
 
 
 def set_params(model, named):
-    """Set every weight of `model` from {dotted path: array}. The model may be abstract (built by
-    nnx.eval_shape, so that no random initialisation is computed only to be overwritten)."""
+    """Set every weight of `model` from {dotted path: array}; the model may be nnx.eval_shape's."""
     state = nnx.state(model, WEIGHTS)
     like = nnx.to_pure_dict(state)
     leaves = [jnp.asarray(named[name], leaf.dtype) for name, leaf in flatten(like).items()]
@@ -1299,28 +1298,20 @@ def torch_name(name):
     return ".".join(parts)
 
 
-def to_torch_layout(name, value):
-    """Our layout -> PyTorch's for the weight `name`: linear kernels (in, out) -> (out, in),
-    convolution kernels HWIO -> OIHW; embedding tables, biases and norm scales are alike."""
+def to_torch_layout(name, value, inverse=False):
+    """Our layout -> PyTorch's for the weight `name` (PyTorch's -> ours if `inverse`): linear
+    kernels (in, out) <-> (out, in), convolution kernels HWIO <-> OIHW; other weights are alike."""
     if not name.endswith("kernel"):
         return value
-    return value.T if value.ndim == 2 else value.transpose(3, 2, 0, 1)
-
-
-def from_torch_layout(name, value):
-    """PyTorch's layout -> ours, the inverse of to_torch_layout."""
-    if not name.endswith("kernel"):
-        return value
-    return value.T if value.ndim == 2 else value.transpose(2, 3, 1, 0)
+    axes = (2, 3, 1, 0) if inverse else (3, 2, 0, 1)
+    return value.T if value.ndim == 2 else value.transpose(axes)
 
 
 def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
     """Copy a PyTorch state dict (numpy arrays) into `model` and return it: the one loader of the
-    official DiT's, the SD VAE's and (fid.py) the Inception's weights. Each weight is read from the
-    key torch_name gives it (or `names`, {key: our name}), in from_torch_layout's layout (a linear
-    weight that old files store as a 1x1 convolution squeezed). Weights the file lacks, keys the
-    model lacks (but those that the regular expression `skip` matches) and shapes that differ are
-    named, with `fix`: they mean the file holds another model. `what` names the file."""
+    official DiT's, the SD VAE's and fid.py's Inception's weights, each from the key torch_name
+    gives it (or `names`, {key: our name}). Missing or unexpected keys (but those `skip` matches)
+    and other shapes are named with `fix`: the file `what` holds another model."""
     ours = named_params(model)
     names = names or {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
@@ -1340,7 +1331,7 @@ def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
         if value.shape != shape:
             raise InputError(f"{what}: {key} has shape {list(value.shape)}, the "
                              f"{type(model).__name__} expects {list(shape)}; {fix}")
-        values[name] = from_torch_layout(name, value)
+        values[name] = to_torch_layout(name, value, inverse=True)
     return set_params(model, values)
 
 
@@ -1366,8 +1357,8 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or the official train.py's, whose EMA weights are taken), read by load_torch; its configuration
-    from the weights' shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
+    or train.py's, whose EMA weights are taken), read through load_torch (section 17); its
+    configuration from their shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
@@ -1415,8 +1406,8 @@ class VAEConfig:
 
     @classmethod
     def from_json(cls, path):
-        """Read a diffusers config.json; keys that do not change the network (sample_size, ...) are
-        ignored, options this implementation does not build refused rather than ignored."""
+        """Read a diffusers config.json through read_json (section 19); keys that do not change
+        the network (sample_size, ...) are ignored, options not built here refused."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda c: isinstance(c, dict), "a diffusers config (an object)", fix)
         required = {"_class_name": "AutoencoderKL", "act_fn": "silu", "use_quant_conv": True,
@@ -1461,8 +1452,7 @@ def _group_norm(channels, groups, dtype, rngs):
 
 
 class VAEResnetBlock(nnx.Module):
-    """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut
-    when the channel count changes."""
+    """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut."""
 
     def __init__(self, cin, cout, groups, *, dtype, rngs):
         self.norm1 = _group_norm(cin, groups, dtype, rngs)
@@ -1500,26 +1490,18 @@ class VAEAttention(nnx.Module):
         return x + out.reshape(B, H, W, C)
 
 
-class VAEDownsample(nnx.Module):
-    """Stride-2 3x3 conv. diffusers pads (left 0, right 1, top 0, bottom 1), not symmetrically, a
-    quirk inherited from the original LDM code; the weights were trained with it."""
+class VAEResample(nnx.Module):
+    """A 3x3 conv that halves the resolution (down: stride 2; diffusers pads left 0, right 1, top
+    0, bottom 1, a quirk of the original LDM code that the weights were trained with) or, after a
+    nearest-neighbour x2, keeps the doubled one (diffusers Upsample2D with use_conv=True)."""
 
-    def __init__(self, channels, *, dtype, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), strides=2, padding=((0, 1), (0, 1)),
-                             dtype=dtype, rngs=rngs)
+    def __init__(self, channels, down, *, dtype, rngs):
+        self.down = down
+        self.conv = nnx.Conv(channels, channels, (3, 3), strides=2 if down else 1,
+                             padding=((0, 1), (0, 1)) if down else 1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C)
-        return self.conv(x)
-
-
-class VAEUpsample(nnx.Module):
-    """Nearest-neighbour x2 then a 3x3 conv (diffusers Upsample2D with use_conv=True)."""
-
-    def __init__(self, channels, *, dtype, rngs):
-        self.conv = nnx.Conv(channels, channels, (3, 3), padding=1, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):  # (B, H, W, C) -> (B, 2H, 2W, C)
-        return self.conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
+    def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C) down, (B, 2H, 2W, C) up
+        return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 
 class DownEncoderBlock(nnx.Module):
@@ -1529,8 +1511,8 @@ class DownEncoderBlock(nnx.Module):
     def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
                                                 rngs=rngs) for i in range(n)])
-        self.downsamplers = nnx.List([VAEDownsample(cout, dtype=dtype, rngs=rngs)] if downsample
-                                     else [])
+        self.downsamplers = nnx.List([VAEResample(cout, True, dtype=dtype, rngs=rngs)]
+                                     if downsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.downsamplers]:
@@ -1539,12 +1521,13 @@ class DownEncoderBlock(nnx.Module):
 
 
 class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: `n` ResnetBlocks, then an upsampling step but in the last one."""
+    """diffusers UpDecoderBlock2D: DownEncoderBlock's mirror image."""
 
     def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
                                                 rngs=rngs) for i in range(n)])
-        self.upsamplers = nnx.List([VAEUpsample(cout, dtype=dtype, rngs=rngs)] if upsample else [])
+        self.upsamplers = nnx.List([VAEResample(cout, False, dtype=dtype, rngs=rngs)]
+                                   if upsample else [])
 
     def __call__(self, x):
         for block in [*self.resnets, *self.upsamplers]:
@@ -1777,9 +1760,8 @@ class Dataset:
 
     def inputs(self, idx, flip, eps=None):
         """Model inputs x float32 (B, H, W, C) and labels y int32 (B,) (zeros when unconditional)
-        of the samples idx (B,): pixels in [-1, 1] mirrored where flip (B,) is true, or latents
-        z = (mean + std * eps) * latent_scale of the image or, where flip is true, of its stored
-        mirror image, with the noise eps (B, h, w, C)."""
+        of the samples idx (B,), mirrored where flip (B,) is true: pixels in [-1, 1], or latents
+        drawn with the noise eps (B, h, w, C)."""
         if self.is_latent:
             c = self.input_shape[-1]
             stats = np.asarray(self.x[idx, flip.astype(np.int64)], np.float32)  # (B, h, w, 2C)
@@ -1821,7 +1803,8 @@ def _find_idx(data_dir: str, stem: str) -> str | None:
 
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files; the 10,000 test digits stand in when only they are there."""
+    """The official MNIST IDX files, through read_idx (section 18); the 10,000 test digits stand
+    in when only they are there."""
     for split in ("train", "t10k"):
         images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
         labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
@@ -1857,7 +1840,8 @@ _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
     """(where, {name: batch}) of the five training batches and batches.meta, from an extracted
-    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing)."""
+    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing),
+    each through _unpickle_cifar and the archive through _CappedGzip (section 18)."""
     for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(folder, "data_batch_1")):
             found = {}
@@ -1923,6 +1907,30 @@ def _load_cifar10(data_dir: str) -> Dataset:
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
                     ".webp")
 
+
+def image_files(folder):
+    """(the images directly in `folder`, {each sub-folder: the images at any depth in it}), by
+    name, each list sorted: the folders of dit.py's 'folder' dataset, fid.py's and
+    prepare_imagenet100.py's class folders all walk here. An image is a file whose name ends in
+    IMAGE_EXTENSIONS (any case); names that start with "." are hidden (macOS's ._ files,
+    .ipynb_checkpoints) and skipped, files and folders alike."""
+    def images(root, names):
+        return [os.path.join(root, n) for n in names
+                if not n.startswith(".") and n.lower().endswith(IMAGE_EXTENSIONS)]
+
+    names = sorted(os.listdir(folder))
+    subfolders = {}
+    for name in names:
+        if os.path.isdir(os.path.join(folder, name)) and not name.startswith("."):
+            found = []
+            for root, dirs, files in os.walk(os.path.join(folder, name)):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]  # pruned: not walked
+                found += images(root, files)
+            subfolders[name] = sorted(found)
+    loose = [p for p in images(folder, names) if os.path.isfile(p)]
+    return loose, subfolders
+
+
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
     with a BOX filter while the short side is at least twice the target (cheap and alias-free),
@@ -1942,10 +1950,6 @@ def center_crop_arr(pil_image, image_size):
     return arr[top:top + image_size, left:left + image_size]
 
 
-def _is_image(path: str) -> bool:
-    return os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS)
-
-
 def load_image(path, size=None):
     """Decode any file PIL reads (by its content, so a PNG named .JPEG works) as RGB, centre-cropped
     to size x size if a size is given: (uint8 (H, W, 3), None), or (None, reason) for a broken file,
@@ -1959,19 +1963,15 @@ def load_image(path, size=None):
 
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
-    """Every image under data_dir, centre-cropped as ADM/DiT do if a resolution is given: one
-    sub-folder per class (labels follow the sorted names), or all loose in data_dir, unlabelled."""
+    """Every image under data_dir (image_files), centre-cropped as ADM/DiT do if a resolution is
+    given: one sub-folder per class (labels follow the sorted names), or all loose, unlabelled."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"image folder {data_dir} does not exist")
-    entries = sorted(e for e in os.listdir(data_dir) if not e.startswith("."))
-    class_names = [e for e in entries if os.path.isdir(os.path.join(data_dir, e))]
-    loose = [os.path.join(data_dir, e) for e in entries if _is_image(os.path.join(data_dir, e))]
+    loose, subfolders = image_files(data_dir)
+    class_names = list(subfolders)
     if class_names:
         files, labels = [], []
-        for label, name in enumerate(class_names):
-            found = sorted(os.path.join(root, f)
-                           for root, _, names in os.walk(os.path.join(data_dir, name))
-                           for f in names if _is_image(os.path.join(root, f)))
+        for label, (name, found) in enumerate(subfolders.items()):
             if not found:
                 warnings.warn(f"class folder {os.path.join(data_dir, name)} holds no images; class "
                               f"{label} ({name!r}) will have no training samples")
@@ -2023,7 +2023,8 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
 
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with
-    --pixels R), memory-mapped so that the whole set never has to fit in host memory."""
+    --pixels R), memory-mapped so that the whole set never has to fit in host memory; its JSON
+    through read_json (section 19)."""
     hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
             f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
             f"the folder it wrote")
@@ -2201,7 +2202,7 @@ class Loader:
 #################################################################################
 
 def to_host(x):
-    """A global array as one numpy array on this host, gathered from the hosts it is spread over."""
+    """A global array as one numpy array on this host, gathered from the hosts it spans."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -2279,8 +2280,7 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path, names=None):
-    """(metadata, arrays) of a checkpoint via read_npz: no pickle, and no size taken on trust. With
-    `names`, only those arrays are read."""
+    """(metadata, arrays) of a checkpoint, through read_npz (section 18): only `names` if given."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
         arrays = read_npz(path, None if names is None else ["__meta__", *names])
@@ -2496,7 +2496,7 @@ def model_config(args, input_size, in_channels, num_classes):
     switches, each overridable by its own option."""
     switches = {k: on if getattr(args, k) is None else getattr(args, k)
                 for k, on in ARCHS[args.arch].items()}
-    with flag(f"--patch {args.patch}"):
+    with errors_named(f"--patch {args.patch}"):
         return DiTConfig(input_size=input_size, patch_size=args.patch, in_channels=in_channels,
                          num_classes=num_classes, **DIT_SIZES[args.size], **switches,
                          learn_sigma=OBJECTIVES[args.objective].learn_sigma)
@@ -3165,23 +3165,6 @@ def count_label(n):
     return f"{n / 1000:g}K" if n and n % 1000 == 0 else f"{n:.0f}"
 
 
-def generate(sampler, params, n, batch_size, shape, num_classes, seed):
-    """(images (n, H, W, 3), labels (n,)): n uint8 samples, labels spread evenly over the classes
-    (sample_ddp.py's random ones add variance to FID), in global batches of batch_size."""
-    labels = spread_labels(n, num_classes)
-    chunks = []
-    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
-                  disable=jax.process_index() != 0):
-        y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
-        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
-        key = jax.random.fold_in(jax.random.key(seed + 1), i)
-        chunks.append(sampler(params, noise, jnp.asarray(y), key))
-    images = np.concatenate(chunks)[:n]
-    if images.shape[-1] == 1:  # grayscale (MNIST): Inception and OpenAI's evaluator take RGB
-        images = np.repeat(images, 3, axis=-1)
-    return images, labels
-
-
 def fid_module():
     """fid.py, with FID's Inception network: the file beside this one, or its text run in a cell."""
     try:
@@ -3194,12 +3177,45 @@ def fid_module():
     return fid
 
 
-def evaluate_samples(images, ref, inception):
-    """fid.scores (FID, sFID, Inception Score, Precision, Recall), as many as the reference (a path
-    or fid.load_reference's dict, whose protocol is used) allows, by fid.load_inception's network.
-    Every process holds all samples, feeds its share, and fid.py combines the statistics."""
+def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, inception=None,
+                     reference=None, save=None):
+    """(images (n, H, W, 3) uint8, labels (n,), scores): the one path from weights to FID of
+    training (Evaluator.fid), `sample --fid` and `bench --fid`, so that their figures compare.
+    n samples of `sampler` in global batches of batch_size, labels spread evenly over the classes
+    (sample_ddp.py's random ones add variance to FID); save(images, labels) where given, before
+    the scoring, whose failure then loses no samples; given either, fid.evaluate's scores by the
+    `inception` network against `reference` (fid.load_reference's dict, whose protocol is used;
+    None: the Inception Score and the features alone), else None. Every process holds all samples and feeds
+    its share; fid.py combines the statistics. sampler.seconds["Inception"] sums scoring time."""
+    labels = spread_labels(n, num_classes)
+    chunks = []
+    for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
+                  disable=jax.process_index() != 0):
+        y = np.resize(labels[i * batch_size:(i + 1) * batch_size], batch_size)  # pad the last batch
+        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (batch_size, *shape))
+        key = jax.random.fold_in(jax.random.key(seed + 1), i)
+        chunks.append(sampler(params, noise, jnp.asarray(y), key))
+    images = np.concatenate(chunks)[:n]
+    if images.shape[-1] == 1:  # grayscale (MNIST): Inception and OpenAI's evaluator take RGB
+        images = np.repeat(images, 3, axis=-1)
+    if save:
+        save(images, labels)
+    if inception is None and reference is None:
+        return images, labels, None
+    start = time.perf_counter()
     share = images[jax.process_index()::jax.process_count()]
-    return fid_module().evaluate(share, ref=ref, inception=inception)
+    scores = fid_module().evaluate(share, ref=reference, inception=inception)
+    sampler.seconds["Inception"] = (sampler.seconds.get("Inception", 0.0)
+                                    + time.perf_counter() - start)
+    return images, labels, scores
+
+
+def fid_record(scores):
+    """metrics.jsonl's fields of fid.evaluate's `scores`, as training and `sample --fid` log them
+    for `report`: the figures, their sample count and protocol."""
+    return {"fid_samples": scores["count"], "fid_protocol": scores["protocol"],
+            **{k: v for k, v in scores.items()
+               if np.ndim(v) == 0 and k not in ("count", "protocol")}}
 
 
 # The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
@@ -3261,9 +3277,9 @@ class Evaluator:
         def grid_inputs():  # made once where the sampler takes them: an evaluation moves nothing
             return (jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape)),
                     jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2))
-        split = NamedSharding(mesh, P("data"))
+        batch = NamedSharding(mesh, P("data"))
         self.grid_noise, self.grid_labels, self.grid_key = jax.jit(
-            grid_inputs, out_shardings=(split, split, NamedSharding(mesh, P())))()
+            grid_inputs, out_shardings=(batch, batch, NamedSharding(mesh, P())))()
         self.args, refs = args, [args.fid_ref] if args.fid_ref else []
         if not refs and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
@@ -3278,7 +3294,7 @@ class Evaluator:
         # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares.
         # They are padded (by repeats of the first ones) to a multiple of the devices, so that
         # any count splits over them; validation_losses leaves the padding out.
-        k, batch = len(held_out), NamedSharding(mesh, P("data"))
+        k = len(held_out)
         if k:
             eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
             x, y = ds.inputs(held_out, np.zeros(k, bool), eps if ds.is_latent else None)
@@ -3313,13 +3329,11 @@ class Evaluator:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
-        images, _ = generate(self.fid_sampler, params, n, self.args.batch_size, self.shape,
-                             self.num_classes, self.args.seed)
-        result = evaluate_samples(images, self.reference, self.inception)
-        scores = ("fid", "sfid", "inception_score", "precision", "recall")
-        log.write({"step": step, "fid_samples": result["count"], "fid_protocol": result["protocol"],
-                   **{key: result[key] for key in scores}})
-        print(f"step {step}: {fid_module().describe(result)}")
+        *_, scores = sample_and_score(self.fid_sampler, params, n, self.args.batch_size,
+                                      self.shape, self.num_classes, self.args.seed,
+                                      self.inception, self.reference)
+        log.write({"step": step, **fid_record(scores)})
+        print(f"step {step}: {fid_module().describe(scores)}")
 
 
 #################################################################################
@@ -3342,24 +3356,6 @@ def peak_flops(device):
     if device.platform == "tpu":
         return PEAK_FLOPS.get(device.device_kind)
     return next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
-
-
-def random_weights(build, seed=0):
-    """The module that `build` makes, with random values drawn on the host rather than by its
-    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a minute
-    to compile the InceptionV3's or SD VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are
-    normal, variance 1 / fan-in (product of all dims but the last); vectors (biases, norm scales,
-    BatchNorm statistics) are ones."""
-    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
-    rng = np.random.default_rng(seed)
-
-    def draw(leaf):  # jax.ShapeDtypeStruct -> array
-        if len(leaf.shape) < 2:
-            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
-        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
-        return jnp.asarray(kernel, leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree.map(draw, state))
 
 
 def dit_flops(cfg):
@@ -3397,7 +3393,7 @@ def timed(step, n, profile_dir, name):
 def bench(args):
     """Speed on synthetic data with random weights (speed is independent of them): the training step
     (ms/step, images/s, MFU, peak memory), with --mask-ratio the masked step too, the forward pass
-    of every sampling step, and with --fid N, FID-N end to end (bench_fid). Returns the figures."""
+    of every sampling step, and with --fid N, FID-N end to end (fid.bench_fid). Returns figures."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
     latent_channels = VAEConfig().latent_channels
@@ -3466,48 +3462,9 @@ def bench(args):
     print(f"  forward: compile {compile_s:.1f} s | {speed(dit_flops(cfg) * n, forward_s)}")
     figures["forward_images_per_s"] = n / forward_s
     if args.fid:
-        figures["fid_seconds"] = bench_fid(args, cfg, objective, graphdef, state["params"], mesh,
-                                           shape)
+        figures["fid_seconds"] = fid_module().bench_fid(args, cfg, objective, graphdef,
+                                                        state["params"], mesh, shape)
     return figures
-
-
-def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
-    """FID-N as `sample --fid N` computes it, end to end: the objective's default sampler with
-    guidance FID_CFG_SCALE, the full-size SD VAE in vae_dtype, the Inception statistics and features
-    (fid.evaluate, adm protocol), Precision and Recall against N reference features (the samples',
-    reversed). A first pass compiles each phase at the timed shapes. Left out: the Frechet distances
-    (FID, sFID), host-side and independent of N. Returns each phase's seconds and the total."""
-    vae_cfg = VAEConfig()
-    vae = random_weights(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(args.precision),
-                                                   rngs=nnx.Rngs(0)))
-    fid = fid_module()
-    inception = random_weights(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
-    method, steps = objective.default_method, objective.default_steps
-    sampler = Sampler(graphdef, objective, mesh, steps=steps, method=method,
-                      cfg_scale=FID_CFG_SCALE, vae=vae, latent_scale=vae_cfg.scaling_factor)
-    b = args.batch_size
-    start = time.perf_counter()
-    images, _ = generate(sampler, params, b, b, shape, cfg.num_classes, 0)
-    pool = evaluate_samples(np.resize(images, (args.fid, *images.shape[1:])), None,
-                            inception)["pool"]
-    fid.precision_recall(pool[::-1], pool)
-    warm_up = time.perf_counter() - start
-    sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
-    with profiled(args.profile, "fid"):
-        start = time.perf_counter()
-        images, _ = generate(sampler, params, args.fid, b, shape, cfg.num_classes, 0)
-        features = time.perf_counter()
-        pool = evaluate_samples(images, None, inception)["pool"]
-        scores = time.perf_counter()
-        fid.precision_recall(pool[::-1], pool)
-        end = time.perf_counter()
-    seconds = {**sampler.seconds, "Inception": scores - features,
-               "precision_recall": end - scores, "total": end - start}
-    print(f"  FID-{count_label(args.fid)} ({method}, {steps} steps, guidance {FID_CFG_SCALE}, "
-          f"{images.shape[1]}x{images.shape[2]} images): warm-up {warm_up:.1f} s | "
-          + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
-          + f" | {args.fid / seconds['total']:.2f} images/s")
-    return seconds
 
 
 #################################################################################
@@ -3840,12 +3797,13 @@ float_list = _parsed(lambda text: [float(part) for part in text.split(",")],
 
 
 @contextlib.contextmanager
-def flag(name):
-    """An InputError of the core about the value that the option `name` gave, with its name."""
+def errors_named(option):
+    """Within it, an InputError of the core about the value that `option` ("--patch 4") gave
+    starts with the option, so that the user knows which one to change."""
     try:
         yield
     except InputError as e:
-        raise InputError(f"{name}: {e}") from None
+        raise InputError(f"{option}: {e}") from None
 
 
 def sample_command(args):
@@ -3869,6 +3827,9 @@ def sample_command(args):
         fid = fid_module() if args.fid and args.ref else None
         reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
         model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+        cfg, latent_scale = model.cfg, meta.get("latent_scale")
+        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+               if latent_scale else None)
         if reference:
             say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
@@ -3876,22 +3837,17 @@ def sample_command(args):
     run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     steps = args.steps or objective.default_steps
     method = args.sampler or objective.default_method
-    say(f"{args.ckpt}: {count_params(model):,} parameters, input {model.cfg.input_size}x"
-        f"{model.cfg.input_size}x{model.cfg.in_channels}, {objective.name}")
+    say(f"{args.ckpt}: {count_params(model):,} parameters, input {cfg.input_size}x"
+        f"{cfg.input_size}x{cfg.in_channels}, {objective.name}")
     if args.sampler and args.sampler not in objective.METHODS:
         raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
                          f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
-    cfg = model.cfg
     for scale in scales:
-        with flag(f"--cfg-scale {scale:g}"):
-            guides(cfg, scale)
+        with errors_named(f"--cfg-scale {scale:g}"):
+            check_guidance(cfg, scale)
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
-    latent_scale = meta.get("latent_scale")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
-    with on_every_host():  # each host's own VAE weights
-        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
-               if latent_scale else None)
     make_sampler = functools.partial(
         Sampler, nnx.graphdef(model), objective, mesh, steps=steps, method=method,
         guidance_channels=3 if args.guidance_channels == "3" else None, vae=vae,
@@ -3903,28 +3859,28 @@ def sample_command(args):
         for scale, interval in settings:
             setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]"
                                                if interval else "")
+            out = root + ext if len(settings) == 1 else (
+                f"{root}_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval
+                                          else "") + ext)
+
+            def save(images, labels):
+                if jax.process_index() == 0:
+                    write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
+                    print(f"{len(images)} samples ({setting}) -> {out}")
+                if reference:
+                    say(f"scoring them against {args.ref}")
             say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
-            images, labels = generate(make_sampler(cfg_scale=scale, interval=interval), params,
-                                      args.fid, args.batch_size, shape, cfg.num_classes, args.seed)
-            if jax.process_index() == 0:
-                out = root + ext if len(settings) == 1 else (
-                    f"{root}_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval
-                                              else "") + ext)
-                write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
-                print(f"{len(images)} samples ({setting}) -> {out}")
-            if reference:
-                say(f"scoring them against {args.ref}")
-                result = evaluate_samples(images, reference, inception)
+            *_, result = sample_and_score(make_sampler(cfg_scale=scale, interval=interval), params,
+                                          args.fid, args.batch_size, shape, cfg.num_classes,
+                                          args.seed, inception, reference, save)
+            if result:
                 print(f"{setting}: {fid.describe(result)}")
                 scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
                 if run_dir and jax.process_index() == 0:
-                    figures = {k: v for k, v in scores[setting].items()
-                               if k not in ("count", "protocol")}
                     record = {"step": meta["step"], "cfg_scale": scale,
                               "guidance_interval": interval,
                               "guidance_channels": args.guidance_channels, "sampler": method,
-                              "sample_steps": steps, "fid_samples": result["count"],
-                              "fid_protocol": result["protocol"], **figures}
+                              "sample_steps": steps, **fid_record(result)}
                     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                         f.write(json.dumps(record) + "\n")
         if run_dir and reference:
@@ -4175,12 +4131,18 @@ def main(argv=None):
 #                          PART IV: FILES FROM OUTSIDE                          #
 #                                                                               #
 #################################################################################
-# Every byte that comes from a file a user gave or downloaded is read here, by readers that check
-# each claim of the file (a length, a shape, an offset) against what is really there before
-# allocating anything, and that run no code from it. A file that fails a check raises InputError,
-# which names the file and says what to do; the command lines print it as one line (run_cli,
-# section 16). The harness above calls each reader in one line: the one place where the book
-# refers forward, by design, so that every reader of outside bytes stands together.
+# The readers of the files a user gives or a download brings: weight files, checkpoints, arrays,
+# MNIST's and CIFAR-10's files, JSON. (PIL decodes images, in load_image; numpy maps prepared .npy
+# files, in _load_imagenet100, checking their headers against their sizes; fid.py reads torch's
+# legacy format with the checks below.) What each reader guarantees:
+# - every claim of the file (a length, a shape, an offset, a count) is checked against the bytes
+#   really there before anything is allocated for it: a small file cannot ask for much memory;
+# - no code from the file runs: pickles go through safe_unpickle, which resolves only the names
+#   of an explicit table, and .npy files are read without pickle;
+# - a file that fails a check raises InputError naming the file and what to do, which the command
+#   lines print as one line (run_cli, section 16).
+# Part III calls forward into these readers: the one forward reference of the book, by design, so
+# that every reader of outside bytes stands together.
 
 #################################################################################
 #                  17. Pickles and PyTorch files, without torch                 #
@@ -4191,9 +4153,8 @@ class UnsafePickleError(InputError, pickle.UnpicklingError):
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler whose only way to reach Python objects is an explicit table: a pickle can call
-    any importable function (`os.system` included) by naming it, and every such name goes through
-    `find_class`, so refusing unknown names here means nothing from the file can run."""
+    """An unpickler that reaches Python objects only through an explicit table: a pickle can call
+    any importable function (`os.system`) by naming it, and every name goes through find_class."""
 
     def __init__(self, fileobj, allowed, persistent_load, encoding):
         super().__init__(fileobj, encoding=encoding)
@@ -4212,19 +4173,24 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f"run.") from None
 
 
+def _read_at_most(f, n):
+    """Up to n bytes of f, read in pieces of 1 MiB: a count larger than the data really there
+    allocates no more than that data (a single read would allocate all n at once)."""
+    pieces = []
+    while n > 0 and (piece := f.read(min(n, 1 << 20))):
+        pieces.append(piece)
+        n -= len(piece)
+    return b"".join(pieces)
+
+
 class _Recorder:
-    """A file as pickletools.genops reads it, keeping what was read. Reads go in pieces of at most
-    1 MiB, so that a count in a pickle larger than its data allocates no more than the data."""
+    """A file as pickletools.genops reads it (through _read_at_most), keeping what was read."""
 
     def __init__(self, f):
         self.f, self.parts = f, []
 
     def read(self, n):
-        pieces = []
-        while n > 0 and (piece := self.f.read(min(n, 1 << 20))):
-            pieces.append(piece)
-            n -= len(piece)
-        self.parts.append(b"".join(pieces))
+        self.parts.append(_read_at_most(self.f, n))
         return self.parts[-1]
 
     def readline(self):
@@ -4238,12 +4204,10 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
     or "latin1". A damaged pickle raises pickle.UnpicklingError.
 
-    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8
-    and the like), or a memo as long as twice the largest index stored into it, zeroed, so that
-    `LONG_BINPUT 2**30` alone takes 16 GiB. Hence the opcodes are read first (up to STOP), each
-    count against the data really there, and a memo index may not exceed the opcodes before it (a
-    pickler numbers its entries in order): no pickle makes the unpickler allocate much more than
-    its own size."""
+    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8),
+    or a zeroed memo twice the largest index stored into it (`LONG_BINPUT 2**30`: 16 GiB). Hence
+    the opcodes are read first, each count against the data really there, and a memo index may not
+    exceed the opcodes before it (a pickler numbers its entries in order)."""
     recorder = _Recorder(fileobj)
     try:
         for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
@@ -4279,7 +4243,7 @@ class _Record:
 
 
 class _StorageType(_Record):
-    """Stand-in for a `torch.*Storage` class: only carries the element type."""
+    """Stand-in for a `torch.*Storage` class: its element type."""
     __slots__ = ("name", "dtype")
 
     def __init__(self, name):
@@ -4296,30 +4260,21 @@ class _Storage(_Record):
 
 
 class _Tensor(_Record):
-    """A tensor as `torch._utils._rebuild_tensor_v2` describes it, for _materialize."""
+    """What `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks
+    [, metadata])` rebuilds a tensor from, here only where its elements are, for _materialize."""
     __slots__ = ("storage", "offset", "size", "stride")
 
-    def __init__(self, storage, offset, size, stride):
+    def __init__(self, storage, offset, size, stride, *_):
         self.storage, self.offset, self.size, self.stride = (storage, offset, tuple(size),
                                                              tuple(stride))
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
-                       backward_hooks=None, metadata=None):
-    """What torch calls to rebuild a tensor; here it only records where its elements are."""
-    return _Tensor(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(data, requires_grad, backward_hooks):
-    return data  # an nn.Parameter is just its tensor here
 
 
 # Everything a torch.save file of tensors, state dicts and official DiT training checkpoints
 # ({"model", "ema", "opt", "args"}) names. argparse.Namespace becomes a SimpleNamespace: same
 # attribute access, no argparse behaviour.
 _TORCH_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_tensor_v2"): _Tensor,
+    ("torch._utils", "_rebuild_parameter"): lambda data, *_: data,  # a Parameter is its tensor
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("argparse", "Namespace"): types.SimpleNamespace,
     **{("torch", name): _StorageType(name) for name in _TORCH_STORAGE_DTYPES},
@@ -4361,12 +4316,8 @@ def _storage_array(storage, raw, little_endian):
 
 def _materialize(path, obj, file_size):
     """Replace every _Tensor in a nested structure by a numpy array (a copy, not a file view).
-
-    A file holds each storage once, but any number of tensors can view one storage, so a few bytes
-    of pickle per tensor could ask for far more memory than the file holds. Only views of one
-    storage (tied weights) make the tensors of a real file larger than the file, so the copies may
-    add up to 8 times its size.
-    """
+    Any number of tensors can view one storage, a few bytes of pickle each; in a real file only
+    tied weights do, so the copies may add up to 8 times the file's size, no more."""
     left = 8 * file_size
 
     def convert(obj):
@@ -4459,61 +4410,18 @@ def _load_torch_zip(path, archive, file_size):
     return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
 
 
-def _load_torch_legacy(path, f, file_size):
-    """torch's legacy format: magic, protocol and system-info pickles, the object pickle, the list
-    of storage keys, then each storage as an int64 element count followed by its raw bytes."""
+def load_torch(path, legacy=None):
+    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
+
+    The zip format (torch >= 1.6, e.g. the official DiT checkpoints); the legacy one only with
+    `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights), which is called as
+    legacy(path, f, file_size) with `f` past the magic number. Only tensor rebuilding is allowed,
+    any other global raising UnsafePickleError before anything runs. bfloat16 comes back float32.
+    """
     def not_torch(why):
         return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
                           f"torch.save pickle; pass the file that torch.save wrote")
 
-    try:
-        magic = safe_unpickle(f, {})
-    except UnsafePickleError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
-        raise not_torch(f"{type(e).__name__}: {e}") from None
-    if magic != _LEGACY_MAGIC:
-        raise not_torch(f"it starts with {reprlib.repr(magic)}")
-    protocol, sys_info = safe_unpickle(f, {}), safe_unpickle(f, {})
-    if protocol != 1001 or not isinstance(sys_info, dict):
-        raise InputError(f"{path}: unsupported legacy torch format (protocol "
-                         f"{reprlib.repr(protocol)}); load it with torch and save it again")
-    little_endian = sys_info.get("little_endian", True)
-    storages = {}
-
-    def persistent_load(saved_id):
-        storage_type, key, numel = _storage_id(path, saved_id, file_size)
-        return storages.setdefault(key, _Storage(storage_type, numel))
-
-    obj = safe_unpickle(f, _TORCH_ALLOWED, persistent_load)
-    for key in safe_unpickle(f, {}):  # the storage list, in the order of the data below
-        if key not in storages:
-            raise InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no tensor "
-                             f"uses; the file is damaged")
-        storage = storages[key]
-        header = f.read(8)
-        if len(header) < 8:
-            raise InputError(f"{path}: truncated file (storage {key!r} is missing); download or "
-                             f"save it again")
-        count = struct.unpack("<q" if little_endian else ">q", header)[0]
-        if count != storage.numel:
-            raise InputError(f"{path}: storage {key!r} holds {count} elements where "
-                             f"{storage.numel} were expected; the file is damaged")
-        nbytes = count * storage.storage_type.dtype.itemsize
-        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
-            raise InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more bytes); "
-                             f"download or save it again")
-        storage.data = _storage_array(storage, f.read(nbytes), little_endian)
-    return obj
-
-
-def load_torch(path):
-    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
-
-    Both the zip format (torch >= 1.6, e.g. the official DiT checkpoints) and the legacy one (e.g.
-    pytorch-fid's Inception weights); only tensor rebuilding is allowed, any other global raising
-    UnsafePickleError before anything runs. bfloat16 tensors come back as float32.
-    """
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         try:
@@ -4528,7 +4436,20 @@ def load_torch(path):
                     raise InputError(f"{path}: a damaged or truncated zip archive; download or "
                                      f"save it again")
                 f.seek(0)
-                obj = _load_torch_legacy(path, f, file_size)
+                try:
+                    magic = safe_unpickle(f, {})
+                except UnsafePickleError:
+                    raise
+                except (pickle.UnpicklingError, EOFError, ValueError, IndexError,
+                        struct.error) as e:
+                    raise not_torch(f"{type(e).__name__}: {e}") from None
+                if magic != _LEGACY_MAGIC:
+                    raise not_torch(f"it starts with {reprlib.repr(magic)}")
+                if legacy is None:
+                    raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, "
+                                     f"or _use_new_zipfile_serialization=False), which only fid.py "
+                                     f"reads; load it with torch and torch.save it again")
+                obj = legacy(path, f, file_size)
             return _materialize(path, obj, file_size)
         except UnsafePickleError as e:
             raise UnsafePickleError(f"{path}: {e}") from None
@@ -4620,11 +4541,8 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 def read_safetensors(path):
     """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
     mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
-    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32.
-
-    Every tensor is a copy of its bytes, so tensors that share bytes could add up to any multiple
-    of the file: like every claim of the header, their spans are checked before anything is made.
-    """
+    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32. Tensors are
+    copies, so spans that overlap are refused: they could add up to any multiple of the file."""
     def bad(problem):
         return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
                           f"downloaded, it may be incomplete; delete it and fetch it again.")
@@ -4694,11 +4612,8 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order.
-
-    The elements are read only once the header's size is checked against the file (for gzip,
-    against the most that deflate can expand it to), and no further: a small file cannot make it
-    allocate, or decompress, more than it could hold."""
+    dimensions, one big-endian uint32 per dimension, then the elements in C order. The header's
+    size is checked against the file (gzip: the most deflate expands it to) before reading."""
     fix = "delete it and download it again"
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -4720,12 +4635,7 @@ def read_idx(path: str) -> np.ndarray:
             if nbytes > (_DEFLATE_MAX_RATIO if gzipped else 1) * size:
                 raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes), "
                                  f"more than the file can hold ({size} bytes); {fix}")
-            # In pieces: a single read would allocate all that the header claims, at once.
-            pieces, left = [], nbytes + 1  # one byte more tells a file that goes on
-            while left and (piece := stream.read(min(left, 1 << 20))):
-                pieces.append(piece)
-                left -= len(piece)
-            data = b"".join(pieces)
+            data = _read_at_most(stream, nbytes + 1)  # one byte more tells a file that goes on
         except (OSError, EOFError, zlib.error) as e:
             raise InputError(f"{path}: damaged gzip data ({e}); {fix}") from None
     if len(data) != nbytes:
@@ -4762,9 +4672,8 @@ _CIFAR_PICKLE_GLOBALS = {
 
 
 class _CappedGzip(gzip.GzipFile):
-    """A gzip file that refuses to read past `limit` uncompressed bytes. tarfile allocates what a
-    header claims before reading it, and a few kilobytes of gzip can expand to gigabytes: with
-    this, no archive costs more than `limit`."""
+    """A gzip file that refuses to read past `limit` uncompressed bytes: tarfile allocates what a
+    header claims, and a few kilobytes of gzip can expand to gigabytes."""
 
     def __init__(self, path, limit):
         super().__init__(path, "rb")

@@ -5,8 +5,9 @@ OpenAI's evaluator or pytorch-fid computes them.
 The network is the TF 2015 Inception graph that Heusel et al. (2017, "GANs Trained by a Two
 Time-Scale Update Rule Converge to a Local Nash Equilibrium") used for FID, as ported to PyTorch by
 pytorch-fid (github.com/mseitzer/pytorch-fid, inception.py). We read pytorch-fid's weight file
-directly, without torch, through dit.py's restricted reader of PyTorch files (dit.py holds every
-reader of untrusted files, so fid.py needs it beside, or pasted into the same notebook). Images
+directly, without torch, through dit.py's restricted reader of PyTorch files and, for that file's
+legacy format, load_torch here (dit.py holds the readers of untrusted files that both use, so
+fid.py needs it beside, or pasted into the same notebook). Images
 reach the network by one of two protocols (PROTOCOLS): `adm`, the way OpenAI's evaluator
 (openai/guided-diffusion, evaluations/evaluator.py) feeds the TF graph, which gave every figure of
 the DiT paper, or `pytorch-fid`'s.
@@ -26,7 +27,9 @@ folders and .npz files, `InceptionFeatures` to stream batches as they are genera
 import concurrent.futures
 import functools
 import hashlib
+import math
 import os
+import reprlib
 import struct
 import sys
 import tempfile
@@ -336,6 +339,49 @@ FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb
 _PASS_OFFICIAL = f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}"
 
 
+def _load_torch_legacy(path, f, file_size):
+    """torch's legacy format, the one of pytorch-fid's weights, for dit.load_torch, which has read
+    its magic number: protocol and system-info pickles, the object pickle, the list of storage
+    keys, then each storage as an int64 element count followed by its raw bytes. Every pickle goes
+    through dit.py's restricted unpickler, every storage through its checks."""
+    protocol, sys_info = dit.safe_unpickle(f, {}), dit.safe_unpickle(f, {})
+    if protocol != 1001 or not isinstance(sys_info, dict):
+        raise dit.InputError(f"{path}: unsupported legacy torch format (protocol "
+                             f"{reprlib.repr(protocol)}); load it with torch and save it again")
+    little_endian = sys_info.get("little_endian", True)
+    storages = {}
+
+    def persistent_load(saved_id):
+        storage_type, key, numel = dit._storage_id(path, saved_id, file_size)
+        return storages.setdefault(key, dit._Storage(storage_type, numel))
+
+    obj = dit.safe_unpickle(f, dit._TORCH_ALLOWED, persistent_load)
+    for key in dit.safe_unpickle(f, {}):  # the storage list, in the order of the data below
+        if key not in storages:
+            raise dit.InputError(f"{path}: the storage list names {reprlib.repr(key)}, which no "
+                                 f"tensor uses; the file is damaged")
+        storage = storages[key]
+        header = f.read(8)
+        if len(header) < 8:
+            raise dit.InputError(f"{path}: truncated file (storage {key!r} is missing); download "
+                                 f"or save it again")
+        count = struct.unpack("<q" if little_endian else ">q", header)[0]
+        if count != storage.numel:
+            raise dit.InputError(f"{path}: storage {key!r} holds {count} elements where "
+                                 f"{storage.numel} were expected; the file is damaged")
+        nbytes = count * storage.storage_type.dtype.itemsize
+        if nbytes > file_size - f.tell():  # checked before reading, so a lie cannot exhaust memory
+            raise dit.InputError(f"{path}: truncated file (storage {key!r} needs {nbytes} more "
+                                 f"bytes); download or save it again")
+        storage.data = dit._storage_array(storage, f.read(nbytes), little_endian)
+    return obj
+
+
+def load_torch(path):
+    """dit.load_torch, reading also torch's legacy format, in which pytorch-fid's weights are."""
+    return dit.load_torch(path, _load_torch_legacy)
+
+
 def _inception_with(state_dict, source):
     """An InceptionV3 holding pytorch-fid's state dict, read by dit.py's one loader of PyTorch
     weights (BatchNorm's training counter, num_batches_tracked, is not used at inference)."""
@@ -378,7 +424,7 @@ def load_inception(path=None, cache_dir=None):
     if os.path.exists(cached):
         inception = _inception_with(dit.read_npz(cached), path)
     else:
-        state_dict = dit.load_torch(path)
+        state_dict = load_torch(path)
         inception = _inception_with(state_dict, path)  # checks the weights before they are cached
         try:  # write then rename, so that an interrupted run never leaves half a cache file
             os.makedirs(cache_dir, exist_ok=True)
@@ -825,8 +871,8 @@ class ImageFolder:
     """
 
     def __init__(self, root, count=None):
-        paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                       if f.lower().endswith(dit.IMAGE_EXTENSIONS))
+        loose, subfolders = dit.image_files(root)
+        paths = sorted(loose + [path for found in subfolders.values() for path in found])
         if not paths:
             raise dit.InputError(
                 f"no images ({', '.join(dit.IMAGE_EXTENSIONS)}) under {root}; give a "
@@ -1004,10 +1050,28 @@ def _is_statistics_file(source):
             and len(dit.read_npz(source, ["mu", "sigma"])) == 2)
 
 
+def random_weights(build):
+    """The module that `build` makes, with random values drawn on the host rather than by its
+    initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a minute
+    to compile the InceptionV3's or SD VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are
+    normal, variance 1 / fan-in (product of all dims but the last); vectors (biases, norm scales,
+    BatchNorm statistics) are ones."""
+    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
+    rng = np.random.default_rng(0)
+
+    def draw(leaf):  # jax.ShapeDtypeStruct -> array
+        if len(leaf.shape) < 2:
+            return jnp.asarray(np.ones(leaf.shape, leaf.dtype))
+        kernel = rng.standard_normal(leaf.shape, np.float32) / math.sqrt(math.prod(leaf.shape[:-1]))
+        return jnp.asarray(kernel, leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(draw, state))
+
+
 def benchmark(batch_sizes, image_size=256, steps=5):
     """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not
     depend on them). Each step is timed from host uint8 images to features on the device."""
-    inception = dit.random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
     devices = jax.device_count()
     print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} "
           f"uint8 inputs resized to 299x299")
@@ -1027,6 +1091,45 @@ def benchmark(batch_sizes, image_size=256, steps=5):
         jax.block_until_ready(outputs)
         rate = steps * per_device * devices / (time.perf_counter() - start)
         print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
+
+
+def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
+    """`dit.py bench --fid N`: FID-N timed as `sample --fid N` computes it (dit.sample_and_score),
+    end to end: the objective's default sampler with guidance dit.FID_CFG_SCALE, the full-size SD
+    VAE in dit.vae_dtype, the Inception statistics and features (evaluate, adm protocol), Precision
+    and Recall against N reference features (the samples', reversed). A first pass compiles each
+    phase at the timed shapes. Left out: the Frechet distances (FID, sFID), host-side and
+    independent of N. Returns each phase's seconds and the total."""
+    vae_cfg = dit.VAEConfig()
+    vae = random_weights(lambda: dit.AutoencoderKL(vae_cfg, dtype=dit.vae_dtype(args.precision),
+                                                   rngs=nnx.Rngs(0)))
+    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    method, steps = objective.default_method, objective.default_steps
+    sampler = dit.Sampler(graphdef, objective, mesh, steps=steps, method=method,
+                          cfg_scale=dit.FID_CFG_SCALE, vae=vae,
+                          latent_scale=vae_cfg.scaling_factor)
+    b = args.batch_size
+    start = time.perf_counter()
+    images, _, _ = dit.sample_and_score(sampler, params, b, b, shape, cfg.num_classes, 0)
+    # this process's share of N images, as sample_and_score feeds the Inception
+    images = np.resize(images, (args.fid, *images.shape[1:]))
+    pool = evaluate(images[jax.process_index()::jax.process_count()], inception=inception)["pool"]
+    precision_recall(pool[::-1], pool)
+    warm_up = time.perf_counter() - start
+    sampler.seconds = dict.fromkeys(sampler.seconds, 0.0)
+    with dit.profiled(args.profile, "fid"):
+        start = time.perf_counter()
+        images, _, out = dit.sample_and_score(sampler, params, args.fid, b, shape,
+                                              cfg.num_classes, 0, inception)
+        scored = time.perf_counter()
+        precision_recall(out["pool"][::-1], out["pool"])
+        end = time.perf_counter()
+    seconds = {**sampler.seconds, "precision_recall": end - scored, "total": end - start}
+    print(f"  FID-{dit.count_label(args.fid)} ({method}, {steps} steps, guidance "
+          f"{dit.FID_CFG_SCALE}, {images.shape[1]}x{images.shape[2]} images): warm-up "
+          f"{warm_up:.1f} s | " + " | ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
+          + f" | {args.fid / seconds['total']:.2f} images/s")
+    return seconds
 
 
 def _positive_ints(text):

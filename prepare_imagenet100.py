@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import fid
 import dit
-from dit import load_image, load_vae, read_json, tqdm, write_atomically
+from dit import image_files, load_image, load_vae, read_json, tqdm, write_atomically
 
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100
@@ -63,11 +63,11 @@ EXPECTED_CLASSES = 100
 #################################################################################
 
 def find_images(src, split, classes=None):
-    """List the images of a split. The Kaggle layout keeps the training classes in train.X1 ...
-    train.X4 and validation in val.X; without train.X* folders `src` itself is taken as the
-    class-folder tree. `classes` (wnids in label order) pins the labels, so that val uses train's.
-    Returns (classes, files, labels, warnings), files relative to `src` and sorted, which fixes the
-    order chunks are cut in."""
+    """List the images of a split, as dit.image_files finds them. The Kaggle layout keeps the
+    training classes in train.X1 ... train.X4 and validation in val.X; without train.X* folders
+    `src` itself is taken as the class-folder tree. `classes` (wnids in label order) pins the
+    labels, so that val uses train's. Returns (classes, files, labels, warnings), files relative
+    to `src` and sorted, which fixes the order chunks are cut in."""
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source folder {src} does not exist")
     if split == "val":
@@ -79,25 +79,23 @@ def find_images(src, split, classes=None):
         roots = sorted(d for d in os.listdir(src)
                        if d.startswith("train.X") and os.path.isdir(os.path.join(src, d)))
         roots = roots or ["."]
-    class_dirs = {}  # wnid -> folders holding it (the Kaggle split puts each class in one train.X*)
+    class_files = {}  # wnid -> its images (the Kaggle split puts each class in one train.X*)
     for root in roots:
-        for d in sorted(os.listdir(os.path.join(src, root))):
-            if os.path.isdir(os.path.join(src, root, d)) and not d.startswith("."):
-                class_dirs.setdefault(d, []).append(os.path.normpath(os.path.join(root, d)))
-    if not class_dirs:
+        for wnid, found in image_files(os.path.join(src, root))[1].items():
+            class_files.setdefault(wnid, []).extend(os.path.relpath(f, src) for f in found)
+    if not class_files:
         raise FileNotFoundError(f"no class folders under {[os.path.join(src, r) for r in roots]}; "
                                 f"expected the Kaggle layout (train.X1..train.X4, val.X) or one "
                                 f"folder per class")
     if classes is None:
-        classes = sorted(class_dirs)
-    elif extra := sorted(set(class_dirs) - set(classes)):
+        classes = sorted(class_files)
+    elif extra := sorted(set(class_files) - set(classes)):
         raise dit.InputError(f"{split} has class folders that the training split lacks: {extra}; "
                              f"prepare the training split again with them, or {split} into "
                              f"another output folder")
     warnings, files, labels = [], [], []
     for label, wnid in enumerate(classes):
-        names = [os.path.join(d, f) for d in class_dirs.get(wnid, [])
-                 for f in sorted(os.listdir(os.path.join(src, d))) if not f.startswith(".")]
+        names = class_files.get(wnid, [])
         if not names:
             warnings.append(f"class {wnid} has no images in the {split} split")
         files += names

@@ -1885,6 +1885,27 @@ def test_folder_empty(tmp_path):
         load_dataset("folder")
 
 
+def test_image_files_is_the_one_rule_of_the_three_files(tmp_path):
+    """dit.py's folder dataset, fid.py's folders and prepare_imagenet100.py's class folders see
+    the same images: any-case image extensions at any depth, hidden names skipped."""
+    for name in ("a/x.PNG", "a/deep/y.jpg", "a/.hidden.png", "a/.ipynb_checkpoints/z.png",
+                 "a/notes.txt", "b/w.jpeg", "loose.png", ".git/q.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / name, format="PNG")
+    want = {"a": ["a/deep/y.jpg", "a/x.PNG"], "b": ["b/w.jpeg"]}
+    loose, subfolders = dit.image_files(str(tmp_path))
+    assert loose == [str(tmp_path / "loose.png")]
+    assert subfolders == {k: [str(tmp_path / p) for p in v] for k, v in want.items()}
+    classes, files, labels, _ = prepare_imagenet100.find_images(str(tmp_path), "train")
+    assert classes == ["a", "b"] and files == want["a"] + want["b"]
+    assert labels.tolist() == [0, 0, 1]
+    assert fid.load_images(str(tmp_path)).paths == [
+        str(tmp_path / p) for p in want["a"] + want["b"] + ["loose.png"]]
+    with pytest.warns(UserWarning, match="1 images directly"):
+        ds = load_dataset("folder", str(tmp_path))
+    assert ds.labels.tolist() == [0, 0, 1] and ds.class_names == ["a", "b"]
+
+
 def write_prepared(out, n=12, h=2, w=3, c=4, pixels=None, seed=0):
     """A prepare_imagenet100.py output folder written by hand. Latents: mean and std of the image
     and of its flip are kept apart (flip means are negative, image means positive) so a test can
@@ -2989,6 +3010,35 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
 
 
 @slow
+def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_data, monkeypatch):
+    """A run's final FID and `sample --fid` of its EMA weights, at the same guidance, steps, batch
+    and seed, feed the Inception the same images and log the same fields (dit.sample_and_score)."""
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    monkeypatch.setattr(fid, "load_inception", lambda *args, **kwargs: None)
+    fed = []
+
+    def scores(images, ref, inception):
+        fed.append(images)
+        return {"count": len(images), "protocol": ref["protocol"], "fid": float(images.mean()),
+                "sfid": None, "inception_score": 1.0, "inception_score_std": 0.0,
+                "precision": None, "recall": None}
+    monkeypatch.setattr(fid, "evaluate", scores)
+    run_dir = tmp_path / "run"
+    dit.main(train_args(folder_data, run_dir, 3, ["--final-fid", "6", "--fid-ref", str(ref)]))
+    dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "6", "--steps", "2",
+              "--batch-size", "8", "--ref", str(ref), "--out", str(tmp_path / "s.npz")])
+    assert len(fed) == 2 and fed[0].shape == (6, 8, 8, 3) and fed[0].std() > 0
+    # the same weights, run as training's state and as the exported model: float rounding apart
+    assert np.abs(fed[0].astype(int) - fed[1]).max() <= 1
+    train_fid, sample_fid = [r for r in records(run_dir) if "fid" in r]
+    assert "cfg_scale" not in train_fid and sample_fid["cfg_scale"] == 1.5
+    assert {k: v for k, v in sample_fid.items() if k in train_fid} == {
+        **train_fid, "fid": sample_fid["fid"]}
+    assert sample_fid["fid"] == pytest.approx(train_fid["fid"], abs=0.01)
+
+
+@slow
 def test_sampler_decodes_each_devices_share_in_chunks(tmp_path):
     """Over 2 devices, 7 latents each, 3 at a time (two chunks and a remainder of 1): the images of
     decoding the whole batch at once. The decoder's working memory (XLA's count) stays that of one
@@ -3376,11 +3426,11 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
 
     calls = []
 
-    def scores(images, reference, inception):  # figures that differ from call to call
+    def scores(images, ref, inception):  # figures that differ from call to call
         calls.append(len(images))
-        return {"count": len(images), "protocol": reference["protocol"], "fid": 100.0 + len(calls),
+        return {"count": len(images), "protocol": ref["protocol"], "fid": 100.0 + len(calls),
                 "sfid": None, "inception_score": 1.0, "precision": 0.5, "recall": 0.5}
-    monkeypatch.setattr(dit, "evaluate_samples", scores)
+    monkeypatch.setattr(fid, "evaluate", scores)
     printed = dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "4",
                         "--batch-size", "4", "--steps", "2", "--cfg-scale", "1,3", "--ref",
                         str(ref), "--out", str(tmp_path / "samples.npz")])
@@ -3782,7 +3832,9 @@ def test_torch_handbuilt_checkpoint(tmp_path, fmt):
     path = str(tmp_path / "ckpt.pt")
     (_write_zip(path, obj, storages) if fmt == "zip"
      else _write_legacy(path, obj, storages, itemsizes))
-    ckpt = dit.load_torch(path)
+    if fmt == "legacy":  # only fid.py reads it, for pytorch-fid's weights; dit.py says so
+        _refused(dit.load_torch, path, "legacy format .*, which only fid.py reads")
+    ckpt = fid.load_torch(path)
     for name, (want, dtype) in expected.items():
         got = ckpt["model"][name]
         assert got.shape == want.shape and got.dtype == dtype, name
@@ -3820,7 +3872,7 @@ def test_torch_legacy_inception_keys():
     """torch.save's legacy format, as pytorch-fid's weights file has it: the file holds the real
     file's 566 keys and storage types, every dimension cut to at most 2, with the random weights
     that random_inception.py draws for those shapes from the reference's seed."""
-    sd = dit.load_torch(fixture("inception_random_legacy.pth"))
+    sd = fid.load_torch(fixture("inception_random_legacy.pth"))
     keys = json.load(open(fixture("pt_inception_keys.json")))
     assert list(sd) == list(keys) and len(keys) == 566
     small = {k: dict(v, shape=[min(d, 2) for d in v["shape"]]) for k, v in keys.items()}
@@ -3855,7 +3907,7 @@ def test_torch_refuses_malicious_pickle(tmp_path):
     _write_legacy(str(tmp_path / "evil.pth"), evil, {}, {})
     for name in ("evil.pt", "evil.pth"):
         with pytest.raises(dit.UnsafePickleError, match="os.system.*malicious"):
-            dit.load_torch(str(tmp_path / name))
+            fid.load_torch(str(tmp_path / name))
     # Allowing a harmless global does not open the door to others.
     allowed = {("collections", "OrderedDict"): dict}
     assert dit.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("collections", "OrderedDict")))),
@@ -3887,7 +3939,7 @@ def test_torch_damaged_files_give_clear_errors(tmp_path):
         path = tmp_path / ("case_" + name)
         path.write_bytes(raw)
         with pytest.raises(ValueError, match=message) as info:
-            dit.load_torch(str(path))
+            fid.load_torch(str(path))
         assert str(path) in str(info.value), name
 
 
@@ -4006,7 +4058,7 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception, inception_weights)
     # The score takes the logits without the last layer's bias (as the TF original): pytorch-fid's
     # minus fc.bias.
     expected_is = fid.inception_score(
-        logits - dit.load_torch(inception_weights)["fc.bias"])[0]
+        logits - fid.load_torch(inception_weights)["fc.bias"])[0]
     # The score sits close to 1 with random weights, so compare what lies above 1.
     assert (expected_is > 1.0001
             and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1))
@@ -4223,7 +4275,7 @@ def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
     reference features."""
     ref = np.load(fixture("adm_reference.npz"))
     pool = np.concatenate([ref["set32_pool"], ref["set256_pool"], ref["set384_pool"]])
-    weight = dit.load_torch(inception_weights)["fc.weight"]  # (1008, 2048)
+    weight = fid.load_torch(inception_weights)["fc.weight"]  # (1008, 2048)
     for split_size in (5000, 32):  # one part; parts of 32 and the rest
         score = fid.inception_score(pool.astype(np.float64) @ weight.T, split_size=split_size)[0]
         expected = float(ref[f"is_{split_size}"])
@@ -5142,14 +5194,14 @@ COMMAND_CASES = {
     "sample zip builtins.eval": ("dit.py", ["sample", "--ckpt", "zip_eval.pt"], "zip_eval.pt",
                                  "builtins.eval"),
     "sample legacy OBJ": ("dit.py", ["sample", "--ckpt", "legacy_obj.pt"], "legacy_obj.pt",
-                          "os.system"),
+                          "only fid.py reads"),
     "sample safetensors header 2**60": ("dit.py", ["sample", "--ckpt", "header_2_60.safetensors"],
                                         "header_2_60.safetensors", f"claims {1 << 60} bytes"),
     "sample safetensors past the end": ("dit.py", ["sample", "--ckpt", "beyond_end.safetensors"],
                                         "beyond_end.safetensors", f"bytes 0..{1 << 42}"),
     "sample --vae legacy GLOBAL+REDUCE": ("dit.py", ["sample", "--ckpt", "small.npz", "--vae",
                                                      "legacy_reduce.pth"], "legacy_reduce.pth",
-                                          "os.system"),
+                                          "only fid.py reads"),
     "export npz object array": ("dit.py", ["export", "--ckpt", "object.npz", "--out",
                                            "x.safetensors"], "object.npz", "objects"),
     "export npz header claims 2**40": ("dit.py", ["export", "--ckpt", "header_2_40.npz", "--out",
@@ -5284,7 +5336,7 @@ def test_hand_written_files_are_read_when_honest(tmp_path):
     _write_zip(tmp_path / "good.pt", state_dict, {"0": values.tobytes()})
     _write_legacy(tmp_path / "good.pth", state_dict, {"0": values.tobytes()}, {"0": 4})
     for name in ("good.pt", "good.pth"):
-        got = dit.load_torch(str(tmp_path / name))["w"]
+        got = fid.load_torch(str(tmp_path / name))["w"]
         np.testing.assert_array_equal(got, values.reshape(2, 3))
     write_zip_entries(tmp_path / "good.npz", [("a.npy", npy_header((2, 3), np.float32)
                                                + values.tobytes())])
@@ -5314,14 +5366,14 @@ def test_torch_reader_refuses_code_in_every_form(hostile, tmp_path):
         _write_legacy(tmp_path / f"{name}_legacy.pth", {"w": _Pickled(raw)}, {}, {})
         _write_zip(tmp_path / f"{name}_zip.pt", {"w": _Pickled(raw)}, {})
         for path in (f"{name}.pt", f"{name}_legacy.pth", f"{name}_zip.pt"):
-            _refused(dit.load_torch, tmp_path / path, re.escape(names[name]),
+            _refused(fid.load_torch, tmp_path / path, re.escape(names[name]),
                      dit.UnsafePickleError)
     assert not marker.exists() and not os.path.exists(hostile["marker"])
 
 
 def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
     _refused(dit.load_torch, hostile["zip_numel_2_40.pt"], f"claims {1 << 40} elements")
-    _refused(dit.load_torch, hostile["legacy_numel_2_60.pth"], f"claims {1 << 60} elements")
+    _refused(fid.load_torch, hostile["legacy_numel_2_60.pth"], f"claims {1 << 60} elements")
     _refused(dit.load_torch, hostile["bytes8_8GiB.pt"], f"expected {1 << 33} bytes")
     _refused(dit.load_torch, hostile["empty.pt"], "empty")
     # The count before a legacy storage's bytes disagrees with the pickle.
@@ -5329,7 +5381,7 @@ def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
                   {"0": bytes(16)}, {"0": 4})
     raw = (tmp_path / "count.pth").read_bytes()
     (tmp_path / "count.pth").write_bytes(raw[:-24] + struct.pack("<q", 1 << 60) + raw[-16:])
-    _refused(dit.load_torch, tmp_path / "count.pth", f"holds {1 << 60} elements where 4")
+    _refused(fid.load_torch, tmp_path / "count.pth", f"holds {1 << 60} elements where 4")
     # One memo index makes the unpickler allocate and zero twice as many 8-byte slots: 256 MiB
     # here, enough to fail the bound without straining the machine should the check go (an index
     # of 2**30 takes 16 GiB).
