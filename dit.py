@@ -355,11 +355,16 @@ class DiTBlock(nnx.Module):
     identity, which the paper found best among the conditioning schemes it tried (Fig. 5)."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
-        D = cfg.hidden_size
         self.norm = layer_norm
-        self.attn = Attention(D, cfg.num_heads, dtype=dtype, rngs=rngs)
-        self.mlp = Mlp(D, int(D * cfg.mlp_ratio), dtype=dtype, rngs=rngs)
-        self.adaLN_modulation = adaln_zero(D, 6, dtype=dtype, rngs=rngs)
+        self.attn = self.attention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = self.feed_forward(cfg, dtype=dtype, rngs=rngs)
+        self.adaLN_modulation = adaln_zero(cfg.hidden_size, 6, dtype=dtype, rngs=rngs)
+
+    def attention(self, cfg, **layer):  # DiT+'s block replaces it, and feed_forward
+        return Attention(cfg.hidden_size, cfg.num_heads, **layer)
+
+    def feed_forward(self, cfg, **layer):
+        return Mlp(cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio), **layer)
 
     def __call__(self, x, c):  # x (B, T, D), c (B, D)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
@@ -387,9 +392,8 @@ class DiT(nnx.Module):
     """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
     (B,) in, the objective's target out, (B, H, W, C_out): the velocity under rectified flow, the
     noise (and the variance values, when learn_sigma) under DDPM. `dtype` is the compute dtype
-    (bfloat16 or float16 for mixed precision); parameters stay float32. DiTPlus (Part II) builds the
-    blocks of DiT+ in place of Block and Final."""
-    Block, Final = DiTBlock, FinalLayer
+    (bfloat16 or float16 for mixed precision); parameters stay float32."""
+    Block = DiTBlock  # DiTPlus (Part II) builds DiT+'s in its place
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
@@ -399,26 +403,29 @@ class DiT(nnx.Module):
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob, rngs=rngs)
         self.blocks = nnx.List([self.Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
-        self.final_layer = self.Final(cfg, dtype=dtype, rngs=rngs)
-
-    def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C)
-        g, p = self.cfg.grid, self.cfg.patch_size
-        x = x.reshape(x.shape[0], g, g, p, p, -1)
-        return x.transpose(0, 1, 3, 2, 4, 5).reshape(x.shape[0], g * p, g * p, -1)
+        self.final_layer = FinalLayer(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, t, y, drop_key=None):
         """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
         model is unconditional). `drop_key` turns on the random label dropout of training."""
-        cfg = self.cfg
-        x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
-        x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), self.dtype)
-        c = self.t_embedder(t)                                       # (B, D)
-        if cfg.num_classes:
-            c = c + self.y_embedder(y, drop_key)
+        x, c = self.embed(x, t, y, drop_key)                         # (B, T, D), (B, D)
         for block in self.blocks:
             x = block(x, c)                                          # (B, T, D)
-        x = self.final_layer(x, c)                                   # (B, T, p*p*C_out)
-        return self.unpatchify(x).astype(jnp.float32)                # (B, H, W, C_out)
+        return self.unpatchify(self.final_layer(x, c))               # (B, H, W, C_out)
+
+    def embed(self, x, t, y, drop_key=None):
+        """Fig. 3's inputs to the blocks: tokens plus positions (B, T, D), c (B, D) from t and y."""
+        x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
+        x = x + jnp.asarray(sincos_pos_embed_2d(self.cfg.hidden_size, self.cfg.grid), self.dtype)
+        c = self.t_embedder(t)                                       # (B, D)
+        if self.cfg.num_classes:
+            c = c + self.y_embedder(y, drop_key)
+        return x, c
+
+    def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C), float32
+        g, p = self.cfg.grid, self.cfg.patch_size
+        x = x.reshape(x.shape[0], g, g, p, p, -1).transpose(0, 1, 3, 2, 4, 5)
+        return x.reshape(x.shape[0], g * p, g * p, -1).astype(jnp.float32)
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
         """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official
@@ -898,15 +905,68 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                           PART II: BEYOND THE PAPER                           #
 #                                                                               #
 #################################################################################
-# What the harness's model and objectives add to the paper: switches that later work found to help,
-# a cheaper training step, a third objective, and what they need for memory and speed. Like Part I,
-# it uses no name defined after it.
+# What the harness adds to the paper, each idea a section to study as Part I's: memory and speed,
+# DiT+'s switches, a third objective, a cheaper training step. It uses no name defined after it.
 
 #################################################################################
-#                      DiT+: the switches beyond the paper                      #
+#                              8. Memory and speed                              #
+#################################################################################
+# Nothing here changes what the model computes (test_dit.py checks each). The backward pass needs
+# the forward pass's activations: kept, layer_norm's float32 intermediates would take twice the
+# tokens' memory in every block, gelu's five more (B, T, 4D) tensors, DiT+'s normalisation and
+# rotation of queries and keys four more (B, T, D). DiTPlus recomputes each from its input instead.
+
+# f, recomputed in the backward pass; cached, so that two models built alike have equal graphdefs
+recomputed = functools.cache(jax.checkpoint)
+
+# What the backward pass recomputes instead of keeping, per block, under DiTPlus's `remat`. "dots"
+# keeps the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and
+# recomputes norms, modulations, activations and attention from them: little extra compute for half
+# the memory of keeping everything (10 numbers per token and hidden unit, not 20). "full" keeps only
+# each block's input and recomputes the block: a third more compute, for models too big otherwise.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
+
+
+def recompute_call(method, module, *args, remat):
+    """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (None:
+    kept). It calls a pure function of the module's arrays: nnx.remat's updates of the module fail
+    under jax.lax.scan, where the samplers call the model."""
+    if remat is None:
+        return method(module, *args)
+    graphdef, state = nnx.split(module)
+    pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
+    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
+
+
+def compute_capability(device):
+    """An NVIDIA GPU's compute capability as a number (8.0 for Ampere); 0 for other devices."""
+    return float(getattr(device, "compute_capability", 0) or 0)
+
+
+def attention_implementation(dtype, head_dim, device=None):
+    """"cudnn" where cuDNN's fused flash attention runs, which never builds the (B, H, T, T)
+    weights: NVIDIA GPUs from Ampere on (compute capability 8.0), 16-bit floats, head sizes that
+    are multiples of 8 up to 128. "xla" elsewhere: XLA's own, which the exactness tests check."""
+    device = device or jax.devices()[0]
+    fused = (device.platform == "gpu" and compute_capability(device) >= 8.0
+             and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128)
+    return "cudnn" if fused else "xla"
+
+
+def matmul_precision(dtype):
+    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
+    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes, and
+    where the caller chose a precision (jax.default_matmul_precision), as prepare_imagenet100.py
+    does for the VAE."""
+    if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
+#################################################################################
+#                     9. DiT+: the switches beyond the paper                    #
 #################################################################################
 # The switches of DiTConfig (ARCHS), each a change that later work found to help at DiT's scale.
-# DiTPlus, the model that the harness trains, builds the block and final layer below.
 
 def rms_norm(x, eps=1e-6):
     """RMSNorm (Zhang & Sennrich 2019), the rms_norm switch's layer_norm: no mean is subtracted, so
@@ -955,7 +1015,7 @@ class DiTPlusAttention(Attention):
 
     def attend(self, q, k, v):
         if self.qk_norm or self.rope_grid is not None:  # recomputed in the backward pass
-            q, k = checkpoint_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
+            q, k = recompute_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
         return jax.nn.dot_product_attention(
             q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
 
@@ -993,119 +1053,46 @@ class DiTPlusBlock(DiTBlock):
     norms and activations are recomputed in the backward pass, the whole block as `remat` says."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
-        D, hidden = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
-        self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
-        self.attn = DiTPlusAttention(D, cfg.num_heads, cfg.qk_norm, cfg.grid if cfg.rope else None,
-                                     dtype=dtype, rngs=rngs)
-        if cfg.swiglu:
-            self.mlp = SwiGLU(D, 2 * hidden // 3, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = Mlp(D, hidden, dtype=dtype, rngs=rngs)
-            self.mlp.act = recomputed(gelu)
-        self.adaLN_modulation = adaln_zero(D, 6, dtype=dtype, rngs=rngs)
-        self.remat = None  # DiTPlus sets it
-
-    def __call__(self, x, c):
-        return checkpoint_call(DiTBlock.__call__, self, x, c, remat=self.remat)
-
-
-class DiTPlusFinalLayer(FinalLayer):
-    """The final layer, with RMSNorm under rms_norm, recomputed as the block's."""
-
-    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
         self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
+        self.remat = None  # DiTPlus sets it
+
+    def attention(self, cfg, **layer):
+        return DiTPlusAttention(cfg.hidden_size, cfg.num_heads, cfg.qk_norm,
+                                cfg.grid if cfg.rope else None, **layer)
+
+    def feed_forward(self, cfg, **layer):
+        if cfg.swiglu:
+            return SwiGLU(cfg.hidden_size, 2 * int(cfg.hidden_size * cfg.mlp_ratio) // 3, **layer)
+        mlp = super().feed_forward(cfg, **layer)
+        mlp.act = recomputed(gelu)
+        return mlp
+
+    def __call__(self, x, c):
+        return recompute_call(DiTBlock.__call__, self, x, c, remat=self.remat)
 
 
 class DiTPlus(DiT):
-    """The model the harness trains and samples, for both architectures: DiT with DiT+'s blocks (the
-    paper's with every switch off), run as "Memory and speed" says: float32 products in float32,
-    blocks recomputed in the backward pass as `remat` (a REMAT_POLICIES key, or None) says."""
-    Block, Final = DiTPlusBlock, DiTPlusFinalLayer
+    """The model the harness trains and samples, for both architectures: DiT with DiT+'s blocks and
+    final norm (the paper's with every switch off), run as "Memory and speed" says: float32
+    products in float32, blocks recomputed as `remat` (a REMAT_POLICIES key, or None) says."""
+    Block = DiTPlusBlock
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
+        self.final_layer.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
         for block in self.blocks:
             block.remat = remat
 
-    def __call__(self, x, t, y, drop_key=None):
+    def __call__(self, x, t, y, drop_key=None, forward=DiT.__call__):
+        """`forward(model, x, t, y, drop_key)`, the paper's or deferred masking's, with float32
+        products in float32."""
         with matmul_precision(self.dtype):
-            return super().__call__(x, t, y, drop_key)
+            return forward(self, x, t, y, drop_key)
 
 
 #################################################################################
-#                                Deferred masking                               #
-#################################################################################
-# MicroDiT's cheaper training step (Sehwag et al. 2024, "Stretching Each Dollar: Diffusion Training
-# from Scratch on a Micro-Budget", Sec. 3): a patch-mixer sees every patch token; then a random
-# share of the tokens is dropped, the backbone works on the rest and the loss counts only the kept
-# patches. The paper reports that masking the input directly (MaskDiT without its decoder) loses
-# quality at high ratios where masking after the mixer keeps it: each kept token already carries
-# what the mixer gathered from the dropped ones. Sampling and validation see every patch.
-#
-# The mixer is the model's own first `mixer_depth` blocks (default 2), the backbone the rest. As in
-# MicroDiT, the mixer's blocks are the backbone's, conditioned as they are (here adaLN-Zero on t and
-# y, there also on the caption): what a token should gather from its neighbours before they are
-# dropped depends on the noise level and the class, which plain transformer blocks would not see (a
-# comparison with them is not measured here). Taking the mixer from the model's depth keeps the
-# parameter count, and a model trained so is a plain DiTPlus: it samples, exports and loads as one.
-
-def scatter_patches(model, tokens, keep):
-    """Tokens of the kept patches (B, T_keep, p*p*C), which keep (B, T_keep) names, back in the
-    image layout (B, H, W, C), zero at the dropped patches."""
-    B, T = keep.shape[0], model.cfg.grid ** 2
-    full = jnp.zeros((B, T, tokens.shape[-1]), tokens.dtype)
-    return model.unpatchify(full.at[jnp.arange(B)[:, None], keep].set(tokens))
-
-
-@dataclasses.dataclass(frozen=True)
-class DeferredMasking:
-    """The per-sample losses of a training step (make_train_step's `batch_losses`) that drops
-    `mask_ratio` of each image's patch tokens after the model's first `mixer_depth` blocks."""
-    mask_ratio: float
-    mixer_depth: int
-
-    def kept(self, T):
-        """How many of the T tokens the backbone sees."""
-        return max(1, round(T * (1 - self.mask_ratio)))
-
-    def __call__(self, objective, model, x, y, key, drop_key):
-        """batch_losses over the patches kept: a random share of each image's, drawn from key."""
-        key_keep, key = jax.random.split(key)
-        B, T, p = x.shape[0], model.cfg.grid ** 2, model.cfg.patch_size
-        order = jnp.argsort(jax.random.uniform(key_keep, (B, T)), axis=1)  # random, per image
-        keep = order[:, :self.kept(T)]                                      # (B, T_keep)
-        mask = scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)  # (B, H, W, 1)
-        model_fn = lambda xt, t: self.forward(model, xt, t, y, drop_key, keep)  # noqa: E731
-        return objective.training_losses(model_fn, x, key, mask)
-
-    def forward(self, model, x, t, y, drop_key, keep):
-        """DiTPlus.__call__ (x (B, H, W, C), t, y, drop_key) trained on the patches that keep
-        (B, T_keep) names: its prediction (B, H, W, C_out), zero at the others."""
-        cfg = model.cfg
-        with matmul_precision(model.dtype):
-            x = model.x_embedder(x.astype(model.dtype))                     # (B, T, D)
-            x = x + jnp.asarray(sincos_pos_embed_2d(cfg.hidden_size, cfg.grid), model.dtype)
-            c = model.t_embedder(t) + (model.y_embedder(y, drop_key) if cfg.num_classes else 0)
-            # 1. Mix: the mixer's blocks see every patch.
-            for block in model.blocks[:self.mixer_depth]:
-                x = block(x, c)                                             # (B, T, D)
-            # 2. Drop: each image keeps its own random share of the tokens.
-            x = jnp.take_along_axis(x, keep[..., None], axis=1)             # (B, T_keep, D)
-            # 3. Train on what is kept: the backbone's blocks, RoPE turning each token by its own
-            # patch's position, and the final layer predict the kept patches.
-            context = kept_patches.set(keep)
-            try:
-                for block in model.blocks[self.mixer_depth:]:
-                    x = block(x, c)                                         # (B, T_keep, D)
-            finally:
-                kept_patches.reset(context)
-            x = model.final_layer(x, c)                                     # (B, T_keep, p*p*C_out)
-        return scatter_patches(model, x, keep).astype(jnp.float32)          # (B, H, W, C_out)
-
-
-#################################################################################
-#                        EDM: the objective beyond the paper                    #
+#                    10. EDM: the objective beyond the paper                    #
 #################################################################################
 
 class EDM:
@@ -1138,8 +1125,7 @@ class EDM:
                                           1000 * (jnp.log(sigma) / 4 - lo) / (hi - lo)), x)
         return sd ** 2 / (s ** 2 + sd ** 2) * x + s * sd / jnp.sqrt(s ** 2 + sd ** 2) * out
 
-    def time_at(self, level):
-        """The sigma of a noise level: level / (1 - level)."""
+    def time_at(self, level):  # the sigma of a noise level
         return level / (1 - level)
 
     def losses_at(self, model_fn, x0, sigma, noise, mask=None):
@@ -1191,58 +1177,71 @@ def objective_record(objective):
 
 
 #################################################################################
-#                                Memory and speed                               #
+#                              11. Deferred masking                             #
 #################################################################################
-# Nothing here changes what the model computes (test_dit.py checks each). The backward pass needs
-# the forward pass's activations: kept, layer_norm's float32 intermediates would take twice the
-# tokens' memory in every block, gelu's five more (B, T, 4D) tensors, DiT+'s normalisation and
-# rotation of queries and keys four more (B, T, D). DiTPlus recomputes each from its input instead.
+# MicroDiT's cheaper training step (Sehwag et al. 2024, "Stretching Each Dollar: Diffusion Training
+# from Scratch on a Micro-Budget", Sec. 3): a patch-mixer sees every patch token; then a random
+# share of the tokens is dropped, the backbone works on the rest and the loss counts only the kept
+# patches. The paper reports that masking the input directly (MaskDiT without its decoder) loses
+# quality at high ratios where masking after the mixer keeps it: each kept token already carries
+# what the mixer gathered from the dropped ones. Sampling and validation see every patch.
+#
+# The mixer is the model's own first `mixer_depth` blocks (default 2), the backbone the rest. As in
+# MicroDiT, the mixer's blocks are the backbone's, conditioned as they are (here adaLN-Zero on t and
+# y, there also on the caption): what a token should gather from its neighbours before they are
+# dropped depends on the noise level and the class, which plain transformer blocks would not see (a
+# comparison with them is not measured here). Taking the mixer from the model's depth keeps the
+# parameter count, and a model trained so is a plain DiTPlus: it samples, exports and loads as one.
 
-# f, recomputed in the backward pass; cached, so that two models built alike have equal graphdefs
-recomputed = functools.cache(jax.checkpoint)
-
-# What the backward pass recomputes instead of keeping, per block, under DiTPlus's `remat`. "dots"
-# keeps the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and
-# recomputes norms, modulations, activations and attention from them: little extra compute for half
-# the memory of keeping everything (10 numbers per token and hidden unit, not 20). "full" keeps only
-# each block's input and recomputes the block: a third more compute, for models too big otherwise.
-REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
-
-
-def checkpoint_call(method, module, *args, remat):
-    """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (None:
-    kept). It calls a pure function of the module's arrays: nnx.remat's updates of the module fail
-    under jax.lax.scan, where the samplers call the model."""
-    if remat is None:
-        return method(module, *args)
-    graphdef, state = nnx.split(module)
-    pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
-    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
+def scatter_patches(model, tokens, keep):
+    """Tokens of the kept patches (B, T_keep, p*p*C), which keep (B, T_keep) names, back in the
+    image layout (B, H, W, C), zero at the dropped patches."""
+    B, T = keep.shape[0], model.cfg.grid ** 2
+    full = jnp.zeros((B, T, tokens.shape[-1]), tokens.dtype)
+    return model.unpatchify(full.at[jnp.arange(B)[:, None], keep].set(tokens))
 
 
-def compute_capability(device):
-    """An NVIDIA GPU's compute capability as a number (8.0 for Ampere); 0 for other devices."""
-    return float(getattr(device, "compute_capability", 0) or 0)
+@dataclasses.dataclass(frozen=True)
+class DeferredMasking:
+    """The per-sample losses of a training step (make_train_step's `batch_losses`) that drops
+    `mask_ratio` of each image's patch tokens after the model's first `mixer_depth` blocks."""
+    mask_ratio: float
+    mixer_depth: int
 
+    def kept(self, T):
+        """How many of the T tokens the backbone sees."""
+        return max(1, round(T * (1 - self.mask_ratio)))
 
-def attention_implementation(dtype, head_dim, device=None):
-    """"cudnn" where cuDNN's fused flash attention runs, which never builds the (B, H, T, T)
-    weights: NVIDIA GPUs from Ampere on (compute capability 8.0), 16-bit floats, head sizes that
-    are multiples of 8 up to 128. "xla" elsewhere: XLA's own, which the exactness tests check."""
-    device = device or jax.devices()[0]
-    fused = (device.platform == "gpu" and compute_capability(device) >= 8.0
-             and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128)
-    return "cudnn" if fused else "xla"
+    def __call__(self, objective, model, x, y, key, drop_key):
+        """batch_losses over the patches kept: a random share of each image's, drawn from key."""
+        key_keep, key = jax.random.split(key)
+        B, T, p = x.shape[0], model.cfg.grid ** 2, model.cfg.patch_size
+        order = jnp.argsort(jax.random.uniform(key_keep, (B, T)), axis=1)  # random, per image
+        keep = order[:, :self.kept(T)]                                      # (B, T_keep)
+        mask = scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)  # (B, H, W, 1)
+        model_fn = lambda xt, t: self.forward(model, xt, t, y, drop_key, keep)  # noqa: E731
+        return objective.training_losses(model_fn, x, key, mask)
 
-
-def matmul_precision(dtype):
-    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
-    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes, and
-    where the caller chose a precision (jax.default_matmul_precision), as prepare_imagenet100.py
-    does for the VAE."""
-    if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
-        return jax.default_matmul_precision("highest")
-    return contextlib.nullcontext()
+    def forward(self, model, x, t, y, drop_key, keep):
+        """The DiTPlus model's forward pass (x (B, H, W, C), t, y, drop_key) trained on the patches
+        that keep (B, T_keep) names: its prediction (B, H, W, C_out), zero at the others."""
+        def masked(model, x, t, y, drop_key):
+            x, c = model.embed(x, t, y, drop_key)                           # (B, T, D), (B, D)
+            # 1. Mix: the mixer's blocks see every patch.
+            for block in model.blocks[:self.mixer_depth]:
+                x = block(x, c)                                             # (B, T, D)
+            # 2. Drop: each image keeps its own random share of the tokens.
+            x = jnp.take_along_axis(x, keep[..., None], axis=1)             # (B, T_keep, D)
+            # 3. Train on what is kept: the backbone's blocks, RoPE turning each token by its own
+            # patch's position, and the final layer predict the kept patches.
+            context = kept_patches.set(keep)
+            try:
+                for block in model.blocks[self.mixer_depth:]:
+                    x = block(x, c)                                         # (B, T_keep, D)
+            finally:
+                kept_patches.reset(context)
+            return scatter_patches(model, model.final_layer(x, c), keep)    # (B, H, W, C_out)
+        return model(x, t, y, drop_key, forward=masked)
 
 
 #################################################################################

@@ -10,6 +10,7 @@ things. Tests on real images read $DIT_DATA when it is set, else the few real im
 fixtures/data/. A missing file fails its test.
 Run: python -m pytest -q test_dit.py
 """
+import ast
 import atexit
 import base64
 import dataclasses
@@ -29,6 +30,7 @@ import signal
 import socket
 import struct
 import subprocess
+import symtable
 import sys
 import tarfile
 import tempfile
@@ -234,6 +236,44 @@ def reference():
 #                            dit.py, PART I: THE CORE                           #
 #                                                                               #
 #################################################################################
+
+
+def module_names_read(statement):
+    """The names that a top-level statement reads from the module's namespace, in its own scope
+    (bases, decorators, defaults, annotations, values) and in every scope inside it."""
+    def read(table):
+        names = {symbol.get_name() for symbol in table.get_symbols() if symbol.is_referenced()
+                 and (table.get_type() == "module" or symbol.is_global())}
+        return names.union(*map(read, table.get_children()))
+    return read(symtable.symtable(ast.unparse(statement), "dit.py", "exec"))
+
+
+def test_the_paper_and_what_lies_beyond_it_use_no_later_name():
+    """Part I (from the start to the "PART II" banner) and Part II (to the "PART III" banner) each
+    read top-down: every name of dit.py's top level that a part's code reads is defined before the
+    part ends."""
+    with open(os.path.join(HERE, "dit.py")) as f:
+        source = f.read()
+    lines = source.splitlines()
+    banner = lambda part: next(i + 1 for i, line in enumerate(lines)  # noqa: E731
+                               if re.match(rf"#\s+{part}:", line))
+    ends = {"Part I": banner("PART II"), "Part II": banner("PART III")}
+    statements = ast.parse(source).body
+    defined = {}  # each top-level name -> the line of its first definition
+    for statement in statements:
+        table = symtable.symtable(ast.unparse(statement), "dit.py", "exec")
+        for symbol in table.get_symbols():
+            if symbol.is_local():
+                defined.setdefault(symbol.get_name(), statement.lineno)
+    later = []
+    for statement in statements:
+        part = "Part I" if statement.lineno < ends["Part I"] else "Part II"
+        if statement.lineno < ends["Part II"]:
+            later += [f"{part}, line {statement.lineno}: {name} (line {defined[name]})"
+                      for name in sorted(module_names_read(statement))
+                      if defined.get(name, 0) > ends[part]]
+    assert len(defined) > 200 and ends["Part I"] < ends["Part II"]
+    assert not later, "names defined after the part that reads them: " + "; ".join(later)
 
 
 #################################################################################
