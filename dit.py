@@ -1512,33 +1512,20 @@ class VAEResample(nnx.Module):
         return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 
-class DownEncoderBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv but in the last
-    block, in a list as diffusers' `downsamplers.0`, so that loading weights maps names alone."""
+class VAEBlock(nnx.Module):
+    """diffusers DownEncoderBlock2D (`down`) or UpDecoderBlock2D: `n` ResnetBlocks, then, if
+    `resample`, a VAEResample in a list named as diffusers names it (`downsamplers.0` or
+    `upsamplers.0`), so that loading weights maps names alone."""
 
-    def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
+    def __init__(self, cin, cout, n, groups, down, resample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
                                                 rngs=rngs) for i in range(n)])
-        self.downsamplers = nnx.List([VAEResample(cout, True, dtype=dtype, rngs=rngs)]
-                                     if downsample else [])
+        self.samplers = "downsamplers" if down else "upsamplers"
+        setattr(self, self.samplers, nnx.List([VAEResample(cout, down, dtype=dtype, rngs=rngs)]
+                                              if resample else []))
 
     def __call__(self, x):
-        for block in [*self.resnets, *self.downsamplers]:
-            x = block(x)
-        return x
-
-
-class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: DownEncoderBlock's mirror image."""
-
-    def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
-                                                rngs=rngs) for i in range(n)])
-        self.upsamplers = nnx.List([VAEResample(cout, False, dtype=dtype, rngs=rngs)]
-                                   if upsample else [])
-
-    def __call__(self, x):
-        for block in [*self.resnets, *self.upsamplers]:
+        for block in [*self.resnets, *getattr(self, self.samplers)]:
             x = block(x)
         return x
 
@@ -1555,49 +1542,30 @@ class VAEMidBlock(nnx.Module):
         return self.resnets[1](self.attentions[0](self.resnets[0](x)))
 
 
-class VAEEncoder(nnx.Module):
-    """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with
-    f = 2**(len(block_out_channels) - 1): every block but the last halves the resolution."""
+class VAECoder(nnx.Module):
+    """diffusers Encoder (`down`), image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent), or
+    Decoder, latent (B, h, w, latent) -> image (B, h*f, w*f, out), f = 2**(len(block_out_channels)
+    - 1): every level but the last resamples. Mirror images, but that the decoder's mid block
+    comes first and its levels have one more ResnetBlock (layers_per_block + 1, as diffusers has)."""
 
-    def __init__(self, cfg, *, dtype, rngs):
-        ch, g = cfg.block_out_channels, cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
-        self.down_blocks = nnx.List([
-            DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1,
-                             dtype=dtype, rngs=rngs)
-            for i in range(len(ch))])
-        self.mid_block = VAEMidBlock(ch[-1], g, dtype=dtype, rngs=rngs)
+    def __init__(self, cfg, down, *, dtype, rngs):
+        ch, g = cfg.block_out_channels[::1 if down else -1], cfg.norm_num_groups
+        cin, cout = ((cfg.in_channels, 2 * cfg.latent_channels) if down
+                     else (cfg.latent_channels, cfg.out_channels))
+        self.down, self.levels = down, "down_blocks" if down else "up_blocks"
+        self.conv_in = nnx.Conv(cin, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
+        self.mid_block = VAEMidBlock(ch[-1 if down else 0], g, dtype=dtype, rngs=rngs)
+        setattr(self, self.levels, nnx.List([
+            VAEBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + (0 if down else 1), g, down,
+                     i < len(ch) - 1, dtype=dtype, rngs=rngs)
+            for i in range(len(ch))]))
         self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
-        self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, dtype=dtype,
-                                 rngs=rngs)
+        self.conv_out = nnx.Conv(ch[-1], cout, (3, 3), padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
+        levels = [*getattr(self, self.levels)]
         x = self.conv_in(x)
-        for block in [*self.down_blocks, self.mid_block]:
-            x = block(x)
-        return self.conv_out(nnx.silu(self.conv_norm_out(x)))
-
-
-class VAEDecoder(nnx.Module):
-    """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one
-    more ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
-
-    def __init__(self, cfg, *, dtype, rngs):
-        ch, g = cfg.block_out_channels[::-1], cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, dtype=dtype,
-                                rngs=rngs)
-        self.mid_block = VAEMidBlock(ch[0], g, dtype=dtype, rngs=rngs)
-        self.up_blocks = nnx.List([
-            UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1,
-                           dtype=dtype, rngs=rngs)
-            for i in range(len(ch))])
-        self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
-        self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, dtype=dtype,
-                                 rngs=rngs)
-
-    def __call__(self, z):
-        x = self.mid_block(self.conv_in(z))
-        for block in self.up_blocks:
+        for block in [*levels, self.mid_block] if self.down else [self.mid_block, *levels]:
             x = block(x)
         return self.conv_out(nnx.silu(self.conv_norm_out(x)))
 
@@ -1610,8 +1578,8 @@ class AutoencoderKL(nnx.Module):
 
     def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
-        self.encoder = VAEEncoder(cfg, dtype=dtype, rngs=rngs)
-        self.decoder = VAEDecoder(cfg, dtype=dtype, rngs=rngs)
+        self.encoder = VAECoder(cfg, True, dtype=dtype, rngs=rngs)
+        self.decoder = VAECoder(cfg, False, dtype=dtype, rngs=rngs)
         latent = cfg.latent_channels
         self.quant_conv = nnx.Conv(2 * latent, 2 * latent, (1, 1), dtype=dtype, rngs=rngs)
         self.post_quant_conv = nnx.Conv(latent, latent, (1, 1), dtype=dtype, rngs=rngs)
@@ -1673,11 +1641,10 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     if source in ("ema", "mse"):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
-            dest = os.path.join(folder, fname)
             url = f"https://huggingface.co/stabilityai/sd-vae-ft-{source}/resolve/main/{fname}"
-            if not os.path.exists(dest):
+            if not os.path.exists(os.path.join(folder, fname)):
                 try:
-                    download(url, dest)
+                    download(url, os.path.join(folder, fname))
                 except OSError as e:  # download's FileNotFoundError, with the cause
                     raise InputError(
                         f"cannot download {url} ({e}). Download config.json and "
@@ -1686,9 +1653,8 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
                     ) from None
         source = folder
     if os.path.isdir(source):
-        candidates = [os.path.join(source, f"diffusion_pytorch_model.{ext}")
-                      for ext in ("safetensors", "bin")]
-        found = [p for p in candidates if os.path.exists(p)]
+        found = [p for ext in ("safetensors", "bin")
+                 if os.path.exists(p := os.path.join(source, f"diffusion_pytorch_model.{ext}"))]
         if not found:
             raise FileNotFoundError(f"{source} holds neither diffusion_pytorch_model.safetensors "
                                     f"nor .bin; put the VAE weights there or pass the weight file")
@@ -1864,16 +1830,13 @@ def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
     archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
     if not os.path.exists(archive):
         download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
-    found = {}
     try:
         with (_CappedGzip(archive, _CIFAR_MAX_BYTES) as gz,
               tarfile.open(fileobj=gz, mode="r:") as tar):
             # in archive order: seeking back in a gzip stream would decompress it again
-            for member in tar:
-                name = os.path.basename(member.name)
-                if member.isfile() and name in _CIFAR_FILES:
-                    found[name] = _unpickle_cifar(tar.extractfile(member),
-                                                  f"{archive}:{member.name}")
+            found = {os.path.basename(m.name): _unpickle_cifar(tar.extractfile(m),
+                                                               f"{archive}:{m.name}")
+                     for m in tar if m.isfile() and os.path.basename(m.name) in _CIFAR_FILES}
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
         raise InputError(f"{archive} is damaged ({e}); delete it and download it again") from None
     missing = [name for name in _CIFAR_FILES if name not in found]
@@ -4262,21 +4225,6 @@ def _read_at_most(f, n):
     return b"".join(pieces)
 
 
-class _Recorder:
-    """A file as pickletools.genops reads it (through _read_at_most), keeping what was read."""
-
-    def __init__(self, f):
-        self.f, self.parts = f, []
-
-    def read(self, n):
-        self.parts.append(_read_at_most(self.f, n))
-        return self.parts[-1]
-
-    def readline(self):
-        self.parts.append(self.f.readline())
-        return self.parts[-1]
-
-
 def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
     `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
@@ -4287,7 +4235,13 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     or a zeroed memo twice the largest index stored into it (`LONG_BINPUT 2**30`: 16 GiB). Hence
     the opcodes are read first, each count against the data really there, and a memo index may not
     exceed the opcodes before it (a pickler numbers its entries in order)."""
-    recorder = _Recorder(fileobj)
+    parts = []  # what genops reads, kept for the unpickler
+
+    def keep(part):
+        parts.append(part)
+        return part
+    recorder = types.SimpleNamespace(read=lambda n: keep(_read_at_most(fileobj, n)),
+                                     readline=lambda: keep(fileobj.readline()))
     try:
         for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
             if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > seen:
@@ -4295,7 +4249,7 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
                                              f"pickle is damaged or crafted")
     except ValueError as e:  # genops' word for truncated or unknown data
         raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
-    checked = io.BytesIO(b"".join(recorder.parts))
+    checked = io.BytesIO(b"".join(parts))
     return _RestrictedUnpickler(checked, allowed, persistent_load, encoding).load()
 
 
