@@ -1546,7 +1546,7 @@ class VAECoder(nnx.Module):
     """diffusers Encoder (`down`), image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent), or
     Decoder, latent (B, h, w, latent) -> image (B, h*f, w*f, out), f = 2**(len(block_out_channels)
     - 1): every level but the last resamples. Mirror images, but that the decoder's mid block
-    comes first and its levels have one more ResnetBlock (layers_per_block + 1, as diffusers has)."""
+    comes first and its levels have one ResnetBlock more (layers_per_block + 1, as diffusers')."""
 
     def __init__(self, cfg, down, *, dtype, rngs):
         ch, g = cfg.block_out_channels[::1 if down else -1], cfg.norm_num_groups
