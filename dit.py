@@ -2182,7 +2182,8 @@ def to_host(x):
 def write_atomically(path, write):
     """Write a file so that a crash at any instant leaves either the old file or the new one, whole;
     a write that fails (a full disk) removes its temporary file."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    # Named per host and process: hosts that share a folder can have equal process ids.
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -4444,13 +4445,10 @@ def _load_torch_zip(path, archive, file_size):
 
 
 def load_torch(path, legacy=None):
-    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
-
-    The zip format (torch >= 1.6, e.g. the official DiT checkpoints); the legacy one only with
-    `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights), which is called as
-    legacy(path, f, file_size) with `f` past the magic number. Only tensor rebuilding is allowed,
-    any other global raising UnsafePickleError before anything runs. bfloat16 comes back float32.
-    """
+    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors
+    (bfloat16 widened to float32). The zip format (torch >= 1.6, e.g. the official DiT checkpoints);
+    the legacy one only with `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights),
+    called as legacy(path, f, file_size) with `f` past the magic number."""
     def not_torch(why):
         return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
                           f"torch.save pickle; pass the file that torch.save wrote")
@@ -4462,28 +4460,25 @@ def load_torch(path, legacy=None):
                 raise InputError(f"{path}: the file is empty; download or save it again")
             if zipfile.is_zipfile(f):
                 with zipfile.ZipFile(f) as archive:
-                    obj = _load_torch_zip(path, archive, file_size)
-            else:
-                f.seek(0)
-                if f.read(2) == b"PK":
-                    raise InputError(f"{path}: a damaged or truncated zip archive; download or "
-                                     f"save it again")
-                f.seek(0)
-                try:
-                    magic = safe_unpickle(f, {})
-                except UnsafePickleError:
-                    raise
-                except (pickle.UnpicklingError, EOFError, ValueError, IndexError,
-                        struct.error) as e:
-                    raise not_torch(f"{type(e).__name__}: {e}") from None
-                if magic != _LEGACY_MAGIC:
-                    raise not_torch(f"it starts with {reprlib.repr(magic)}")
-                if legacy is None:
-                    raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, "
-                                     f"or _use_new_zipfile_serialization=False), which only fid.py "
-                                     f"reads; load it with torch and torch.save it again")
-                obj = legacy(path, f, file_size)
-            return _materialize(path, obj, file_size)
+                    return _materialize(path, _load_torch_zip(path, archive, file_size), file_size)
+            f.seek(0)
+            if f.read(2) == b"PK":
+                raise InputError(f"{path}: a damaged or truncated zip archive; download or save "
+                                 f"it again")
+            f.seek(0)
+            try:
+                magic = safe_unpickle(f, {})
+            except UnsafePickleError:
+                raise
+            except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
+                raise not_torch(f"{type(e).__name__}: {e}") from None
+            if magic != _LEGACY_MAGIC:
+                raise not_torch(f"it starts with {reprlib.repr(magic)}")
+            if legacy is None:
+                raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, or "
+                                 f"_use_new_zipfile_serialization=False), which only fid.py reads; "
+                                 f"load it with torch and torch.save it again")
+            return _materialize(path, legacy(path, f, file_size), file_size)
         except UnsafePickleError as e:
             raise UnsafePickleError(f"{path}: {e}") from None
         except InputError:
@@ -4507,11 +4502,8 @@ _DEFLATE_MAX_RATIO = 1032
 def read_npz(path, names=None):
     """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
     `names` that it holds (the others are left out, so that the caller can say what is missing).
-
-    np.load allocates whatever an array's header claims before reading it, and reads zip entries
-    that overlap; here each claim is checked first against the bytes really there (1032 times them
-    for np.savez_compressed), then numpy's read_array reads the array, refusing objects (pickle).
-    """
+    Not np.load, which allocates what an array's header claims before reading it, and reads zip
+    entries that overlap; numpy's read_array reads each array once its claims are checked."""
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         try:
@@ -4757,14 +4749,13 @@ def default_cache_dir():
 
 
 def download(url, path, digest=None, algorithm="sha256"):
-    """Fetch url into path. The bytes go to a temporary file that takes the final name only once
-    complete and, when a published digest is given, verified: an interrupted or damaged download
-    never passes for the real file."""
+    """Fetch url into path through write_atomically, verified against the published digest when
+    one is given: an interrupted or damaged download never passes for the real file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # Named per host and process: hosts that share a cache folder can have equal process ids.
-    tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+    hasher = hashlib.new(algorithm)
+
+    def fetch(f):
+        with urllib.request.urlopen(url, timeout=60) as response:
             total = int(response.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True,
                       desc=f"downloading {os.path.basename(path)}") as bar:
@@ -4772,19 +4763,18 @@ def download(url, path, digest=None, algorithm="sha256"):
                     f.write(chunk)
                     hasher.update(chunk)
                     bar.update(len(chunk))
-            if total is not None and f.tell() != total:  # a connection that closed early
-                raise http.client.IncompleteRead(b"", total - f.tell())
+        if total is not None and f.tell() != total:  # a connection that closed early
+            raise http.client.IncompleteRead(b"", total - f.tell())
+        if digest is not None and hasher.hexdigest() != digest:
+            raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
+                             f"{hasher.hexdigest()}, the published one is {digest}. Try again, or "
+                             f"put a good copy at {path}")
+
+    try:
+        write_atomically(path, fetch)
     except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
                                 f"download it elsewhere and put it at {path}") from None
-    if digest is not None and hasher.hexdigest() != digest:
-        os.remove(tmp)
-        raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
-                         f"{hasher.hexdigest()}, the published one is {digest}. Try again, or put "
-                         f"a good copy at {path}")
-    os.replace(tmp, path)
 
 
 # As a script; pasted into a notebook cell (no __file__ there), it only defines: call main([...]).
