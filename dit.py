@@ -1770,18 +1770,13 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
 }
 
 
-def _find_idx(data_dir: str, stem: str) -> str | None:
-    """The IDX file data_dir/stem, plain or gzipped; None if neither is there."""
-    path = os.path.join(data_dir, stem)
-    return next((p for p in (path, path + ".gz") if os.path.exists(p)), None)
-
-
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files, through read_idx (section 18); the 10,000 test digits stand
-    in when only they are there."""
+    """The official MNIST IDX files, plain or gzipped, through read_idx (section 18); the 10,000
+    test digits stand in when only they are there."""
     for split in ("train", "t10k"):
-        images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
-        labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
+        images, labels = (next((p for p in (stem, stem + ".gz") if os.path.exists(p)), None)
+                          for stem in (os.path.join(data_dir, f"{split}-images-idx3-ubyte"),
+                                       os.path.join(data_dir, f"{split}-labels-idx1-ubyte")))
         if images and labels:
             break
     else:
@@ -1812,43 +1807,39 @@ _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 
-def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
-    """(where, {name: batch}) of the five training batches and batches.meta, from an extracted
-    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing),
-    each through _unpickle_cifar and the archive through _CappedGzip (section 18)."""
-    for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
-        if os.path.exists(os.path.join(folder, "data_batch_1")):
+def _load_cifar10(data_dir: str) -> Dataset:
+    """The 50,000 CIFAR-10 training images of the official python-format release: its five
+    training batches and batches.meta, from an extracted cifar-10-batches-py/, else in one pass
+    from cifar-10-python.tar.gz (downloaded if missing), each through _unpickle_cifar and the
+    archive through _CappedGzip (section 18)."""
+    for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
+        if os.path.exists(os.path.join(where, "data_batch_1")):
             found = {}
             for name in _CIFAR_FILES:
-                path = os.path.join(folder, name)
+                path = os.path.join(where, name)
                 if not os.path.exists(path):
-                    raise FileNotFoundError(f"{folder} lacks {name}; extract "
+                    raise FileNotFoundError(f"{where} lacks {name}; extract "
                                             f"cifar-10-python.tar.gz again")
                 with open(path, "rb") as f:
                     found[name] = _unpickle_cifar(f, path)
-            return folder, found
-    archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
-    if not os.path.exists(archive):
-        download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
-    try:
-        with (_CappedGzip(archive, _CIFAR_MAX_BYTES) as gz,
-              tarfile.open(fileobj=gz, mode="r:") as tar):
-            # in archive order: seeking back in a gzip stream would decompress it again
-            found = {os.path.basename(m.name): _unpickle_cifar(tar.extractfile(m),
-                                                               f"{archive}:{m.name}")
-                     for m in tar if m.isfile() and os.path.basename(m.name) in _CIFAR_FILES}
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
-        raise InputError(f"{archive} is damaged ({e}); delete it and download it again") from None
-    missing = [name for name in _CIFAR_FILES if name not in found]
-    if missing:
-        raise InputError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
-                         f"CIFAR-10 ({_CIFAR_URL})?")
-    return archive, found
-
-
-def _load_cifar10(data_dir: str) -> Dataset:
-    """The 50,000 CIFAR-10 training images from the official python-format release."""
-    where, found = _cifar_pickles(data_dir)
+            break
+    else:
+        where = os.path.join(data_dir, "cifar-10-python.tar.gz")
+        if not os.path.exists(where):
+            download(_CIFAR_URL, where, _CIFAR_MD5, "md5")
+        try:
+            with (_CappedGzip(where, _CIFAR_MAX_BYTES) as gz,
+                  tarfile.open(fileobj=gz, mode="r:") as tar):
+                # in archive order: seeking back in a gzip stream would decompress it again
+                found = {os.path.basename(m.name): _unpickle_cifar(tar.extractfile(m),
+                                                                   f"{where}:{m.name}")
+                         for m in tar if m.isfile() and os.path.basename(m.name) in _CIFAR_FILES}
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
+            raise InputError(f"{where} is damaged ({e}); delete it and download it again") from None
+        missing = [name for name in _CIFAR_FILES if name not in found]
+        if missing:
+            raise InputError(f"{where} lacks {', '.join(missing)}; is it the python version of "
+                             f"CIFAR-10 ({_CIFAR_URL})?")
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
         data, labels = found[name].get("data"), found[name].get("labels")
