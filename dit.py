@@ -4628,8 +4628,7 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order. The header's
-    size is checked against the file (gzip: the most deflate expands it to) before reading."""
+    dimensions, one big-endian uint32 per dimension, then the elements in C order."""
     fix = "delete it and download it again"
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
