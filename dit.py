@@ -1554,7 +1554,7 @@ class VAECoder(nnx.Module):
                      else (cfg.latent_channels, cfg.out_channels))
         self.down, self.levels = down, "down_blocks" if down else "up_blocks"
         self.conv_in = nnx.Conv(cin, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
-        self.mid_block = VAEMidBlock(ch[-1 if down else 0], g, dtype=dtype, rngs=rngs)
+        self.mid_block = VAEMidBlock(cfg.block_out_channels[-1], g, dtype=dtype, rngs=rngs)
         setattr(self, self.levels, nnx.List([
             VAEBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + (0 if down else 1), g, down,
                      i < len(ch) - 1, dtype=dtype, rngs=rngs)
