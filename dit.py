@@ -1503,33 +1503,20 @@ class VAEResample(nnx.Module):
         return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 
-class DownEncoderBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D: `n` ResnetBlocks, then a downsampling conv but in the last
-    block, in a list as diffusers' `downsamplers.0`, so that loading weights maps names alone."""
+class VAEBlock(nnx.Module):
+    """diffusers DownEncoderBlock2D (`down`) or UpDecoderBlock2D: `n` ResnetBlocks, then, if
+    `resample`, a VAEResample in a list named as diffusers names it (`downsamplers.0` or
+    `upsamplers.0`), so that loading weights maps names alone."""
 
-    def __init__(self, cin, cout, n, groups, downsample, *, dtype, rngs):
+    def __init__(self, cin, cout, n, groups, down, resample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
                                                 rngs=rngs) for i in range(n)])
-        self.downsamplers = nnx.List([VAEResample(cout, True, dtype=dtype, rngs=rngs)]
-                                     if downsample else [])
+        self.samplers = "downsamplers" if down else "upsamplers"
+        setattr(self, self.samplers, nnx.List([VAEResample(cout, down, dtype=dtype, rngs=rngs)]
+                                              if resample else []))
 
     def __call__(self, x):
-        for block in [*self.resnets, *self.downsamplers]:
-            x = block(x)
-        return x
-
-
-class UpDecoderBlock(nnx.Module):
-    """diffusers UpDecoderBlock2D: DownEncoderBlock's mirror image."""
-
-    def __init__(self, cin, cout, n, groups, upsample, *, dtype, rngs):
-        self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
-                                                rngs=rngs) for i in range(n)])
-        self.upsamplers = nnx.List([VAEResample(cout, False, dtype=dtype, rngs=rngs)]
-                                   if upsample else [])
-
-    def __call__(self, x):
-        for block in [*self.resnets, *self.upsamplers]:
+        for block in [*self.resnets, *getattr(self, self.samplers)]:
             x = block(x)
         return x
 
@@ -1546,49 +1533,30 @@ class VAEMidBlock(nnx.Module):
         return self.resnets[1](self.attentions[0](self.resnets[0](x)))
 
 
-class VAEEncoder(nnx.Module):
-    """Image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent) with
-    f = 2**(len(block_out_channels) - 1): every block but the last halves the resolution."""
+class VAECoder(nnx.Module):
+    """diffusers Encoder (`down`), image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent), or
+    Decoder, latent (B, h, w, latent) -> image (B, h*f, w*f, out), f = 2**(len(block_out_channels)
+    - 1): every level but the last resamples. Mirror images, but that the decoder's mid block
+    comes first and its levels have one ResnetBlock more (layers_per_block + 1, as diffusers')."""
 
-    def __init__(self, cfg, *, dtype, rngs):
-        ch, g = cfg.block_out_channels, cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.in_channels, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
-        self.down_blocks = nnx.List([
-            DownEncoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, i < len(ch) - 1,
-                             dtype=dtype, rngs=rngs)
-            for i in range(len(ch))])
-        self.mid_block = VAEMidBlock(ch[-1], g, dtype=dtype, rngs=rngs)
+    def __init__(self, cfg, down, *, dtype, rngs):
+        ch, g = cfg.block_out_channels[::1 if down else -1], cfg.norm_num_groups
+        cin, cout = ((cfg.in_channels, 2 * cfg.latent_channels) if down
+                     else (cfg.latent_channels, cfg.out_channels))
+        self.down, self.levels = down, "down_blocks" if down else "up_blocks"
+        self.conv_in = nnx.Conv(cin, ch[0], (3, 3), padding=1, dtype=dtype, rngs=rngs)
+        self.mid_block = VAEMidBlock(cfg.block_out_channels[-1], g, dtype=dtype, rngs=rngs)
+        setattr(self, self.levels, nnx.List([
+            VAEBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + (0 if down else 1), g, down,
+                     i < len(ch) - 1, dtype=dtype, rngs=rngs)
+            for i in range(len(ch))]))
         self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
-        self.conv_out = nnx.Conv(ch[-1], 2 * cfg.latent_channels, (3, 3), padding=1, dtype=dtype,
-                                 rngs=rngs)
+        self.conv_out = nnx.Conv(ch[-1], cout, (3, 3), padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
+        levels = [*getattr(self, self.levels)]
         x = self.conv_in(x)
-        for block in [*self.down_blocks, self.mid_block]:
-            x = block(x)
-        return self.conv_out(nnx.silu(self.conv_norm_out(x)))
-
-
-class VAEDecoder(nnx.Module):
-    """Latent (B, h, w, latent) -> image (B, h*f, w*f, out); the encoder's mirror image, with one
-    more ResnetBlock per level (layers_per_block + 1, as diffusers builds it)."""
-
-    def __init__(self, cfg, *, dtype, rngs):
-        ch, g = cfg.block_out_channels[::-1], cfg.norm_num_groups
-        self.conv_in = nnx.Conv(cfg.latent_channels, ch[0], (3, 3), padding=1, dtype=dtype,
-                                rngs=rngs)
-        self.mid_block = VAEMidBlock(ch[0], g, dtype=dtype, rngs=rngs)
-        self.up_blocks = nnx.List([
-            UpDecoderBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, i < len(ch) - 1,
-                           dtype=dtype, rngs=rngs)
-            for i in range(len(ch))])
-        self.conv_norm_out = _group_norm(ch[-1], g, dtype, rngs)
-        self.conv_out = nnx.Conv(ch[-1], cfg.out_channels, (3, 3), padding=1, dtype=dtype,
-                                 rngs=rngs)
-
-    def __call__(self, z):
-        x = self.mid_block(self.conv_in(z))
-        for block in self.up_blocks:
+        for block in [*levels, self.mid_block] if self.down else [self.mid_block, *levels]:
             x = block(x)
         return self.conv_out(nnx.silu(self.conv_norm_out(x)))
 
@@ -1601,8 +1569,8 @@ class AutoencoderKL(nnx.Module):
 
     def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
-        self.encoder = VAEEncoder(cfg, dtype=dtype, rngs=rngs)
-        self.decoder = VAEDecoder(cfg, dtype=dtype, rngs=rngs)
+        self.encoder = VAECoder(cfg, True, dtype=dtype, rngs=rngs)
+        self.decoder = VAECoder(cfg, False, dtype=dtype, rngs=rngs)
         latent = cfg.latent_channels
         self.quant_conv = nnx.Conv(2 * latent, 2 * latent, (1, 1), dtype=dtype, rngs=rngs)
         self.post_quant_conv = nnx.Conv(latent, latent, (1, 1), dtype=dtype, rngs=rngs)
@@ -1664,11 +1632,10 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     if source in ("ema", "mse"):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
-            dest = os.path.join(folder, fname)
             url = f"https://huggingface.co/stabilityai/sd-vae-ft-{source}/resolve/main/{fname}"
-            if not os.path.exists(dest):
+            if not os.path.exists(os.path.join(folder, fname)):
                 try:
-                    download(url, dest)
+                    download(url, os.path.join(folder, fname))
                 except OSError as e:  # download's FileNotFoundError, with the cause
                     raise InputError(
                         f"cannot download {url} ({e}). Download config.json and "
@@ -1677,9 +1644,8 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
                     ) from None
         source = folder
     if os.path.isdir(source):
-        candidates = [os.path.join(source, f"diffusion_pytorch_model.{ext}")
-                      for ext in ("safetensors", "bin")]
-        found = [p for p in candidates if os.path.exists(p)]
+        found = [p for ext in ("safetensors", "bin")
+                 if os.path.exists(p := os.path.join(source, f"diffusion_pytorch_model.{ext}"))]
         if not found:
             raise FileNotFoundError(f"{source} holds neither diffusion_pytorch_model.safetensors "
                                     f"nor .bin; put the VAE weights there or pass the weight file")
@@ -1795,18 +1761,13 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
 }
 
 
-def _find_idx(data_dir: str, stem: str) -> str | None:
-    """The IDX file data_dir/stem, plain or gzipped; None if neither is there."""
-    path = os.path.join(data_dir, stem)
-    return next((p for p in (path, path + ".gz") if os.path.exists(p)), None)
-
-
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files, through read_idx (section 18); the 10,000 test digits stand
-    in when only they are there."""
+    """The official MNIST IDX files, plain or gzipped, through read_idx (section 18); the 10,000
+    test digits stand in when only they are there."""
     for split in ("train", "t10k"):
-        images = _find_idx(data_dir, f"{split}-images-idx3-ubyte")
-        labels = _find_idx(data_dir, f"{split}-labels-idx1-ubyte")
+        images, labels = (next((p for p in (stem, stem + ".gz") if os.path.exists(p)), None)
+                          for stem in (os.path.join(data_dir, f"{split}-images-idx3-ubyte"),
+                                       os.path.join(data_dir, f"{split}-labels-idx1-ubyte")))
         if images and labels:
             break
     else:
@@ -1837,46 +1798,39 @@ _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 
-def _cifar_pickles(data_dir: str) -> tuple[str, dict[str, dict]]:
-    """(where, {name: batch}) of the five training batches and batches.meta, from an extracted
-    cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if missing),
-    each through _unpickle_cifar and the archive through _CappedGzip (section 18)."""
-    for folder in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
-        if os.path.exists(os.path.join(folder, "data_batch_1")):
+def _load_cifar10(data_dir: str) -> Dataset:
+    """The 50,000 CIFAR-10 training images of the official python-format release: its five
+    training batches and batches.meta, from an extracted cifar-10-batches-py/, else in one pass
+    from cifar-10-python.tar.gz (downloaded if missing), each through _unpickle_cifar and the
+    archive through _CappedGzip (section 18)."""
+    for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
+        if os.path.exists(os.path.join(where, "data_batch_1")):
             found = {}
             for name in _CIFAR_FILES:
-                path = os.path.join(folder, name)
+                path = os.path.join(where, name)
                 if not os.path.exists(path):
-                    raise FileNotFoundError(f"{folder} lacks {name}; extract "
+                    raise FileNotFoundError(f"{where} lacks {name}; extract "
                                             f"cifar-10-python.tar.gz again")
                 with open(path, "rb") as f:
                     found[name] = _unpickle_cifar(f, path)
-            return folder, found
-    archive = os.path.join(data_dir, "cifar-10-python.tar.gz")
-    if not os.path.exists(archive):
-        download(_CIFAR_URL, archive, _CIFAR_MD5, "md5")
-    found = {}
-    try:
-        with (_CappedGzip(archive, _CIFAR_MAX_BYTES) as gz,
-              tarfile.open(fileobj=gz, mode="r:") as tar):
-            # in archive order: seeking back in a gzip stream would decompress it again
-            for member in tar:
-                name = os.path.basename(member.name)
-                if member.isfile() and name in _CIFAR_FILES:
-                    found[name] = _unpickle_cifar(tar.extractfile(member),
-                                                  f"{archive}:{member.name}")
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
-        raise InputError(f"{archive} is damaged ({e}); delete it and download it again") from None
-    missing = [name for name in _CIFAR_FILES if name not in found]
-    if missing:
-        raise InputError(f"{archive} lacks {', '.join(missing)}; is it the python version of "
-                         f"CIFAR-10 ({_CIFAR_URL})?")
-    return archive, found
-
-
-def _load_cifar10(data_dir: str) -> Dataset:
-    """The 50,000 CIFAR-10 training images from the official python-format release."""
-    where, found = _cifar_pickles(data_dir)
+            break
+    else:
+        where = os.path.join(data_dir, "cifar-10-python.tar.gz")
+        if not os.path.exists(where):
+            download(_CIFAR_URL, where, _CIFAR_MD5, "md5")
+        try:
+            with (_CappedGzip(where, _CIFAR_MAX_BYTES) as gz,
+                  tarfile.open(fileobj=gz, mode="r:") as tar):
+                # in archive order: seeking back in a gzip stream would decompress it again
+                found = {os.path.basename(m.name): _unpickle_cifar(tar.extractfile(m),
+                                                                   f"{where}:{m.name}")
+                         for m in tar if m.isfile() and os.path.basename(m.name) in _CIFAR_FILES}
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
+            raise InputError(f"{where} is damaged ({e}); delete it and download it again") from None
+        missing = [name for name in _CIFAR_FILES if name not in found]
+        if missing:
+            raise InputError(f"{where} lacks {', '.join(missing)}; is it the python version of "
+                             f"CIFAR-10 ({_CIFAR_URL})?")
     xs, ys = [], []
     for name in _CIFAR_FILES[:5]:
         data, labels = found[name].get("data"), found[name].get("labels")
@@ -2210,7 +2164,8 @@ def to_host(x):
 def write_atomically(path, write):
     """Write a file so that a crash at any instant leaves either the old file or the new one, whole;
     a write that fails (a full disk) removes its temporary file."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    # Named per host and process: hosts that share a folder can have equal process ids.
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -4182,21 +4137,6 @@ def _read_at_most(f, n):
     return b"".join(pieces)
 
 
-class _Recorder:
-    """A file as pickletools.genops reads it (through _read_at_most), keeping what was read."""
-
-    def __init__(self, f):
-        self.f, self.parts = f, []
-
-    def read(self, n):
-        self.parts.append(_read_at_most(self.f, n))
-        return self.parts[-1]
-
-    def readline(self):
-        self.parts.append(self.f.readline())
-        return self.parts[-1]
-
-
 def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
     `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
@@ -4207,7 +4147,13 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     or a zeroed memo twice the largest index stored into it (`LONG_BINPUT 2**30`: 16 GiB). Hence
     the opcodes are read first, each count against the data really there, and a memo index may not
     exceed the opcodes before it (a pickler numbers its entries in order)."""
-    recorder = _Recorder(fileobj)
+    parts = []  # what genops reads, kept for the unpickler
+
+    def keep(part):
+        parts.append(part)
+        return part
+    recorder = types.SimpleNamespace(read=lambda n: keep(_read_at_most(fileobj, n)),
+                                     readline=lambda: keep(fileobj.readline()))
     try:
         for seen, (opcode, arg, _) in enumerate(pickletools.genops(recorder)):
             if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg > seen:
@@ -4215,7 +4161,7 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
                                              f"pickle is damaged or crafted")
     except ValueError as e:  # genops' word for truncated or unknown data
         raise pickle.UnpicklingError(f"damaged pickle ({e})") from None
-    checked = io.BytesIO(b"".join(recorder.parts))
+    checked = io.BytesIO(b"".join(parts))
     return _RestrictedUnpickler(checked, allowed, persistent_load, encoding).load()
 
 
@@ -4410,13 +4356,10 @@ def _load_torch_zip(path, archive, file_size):
 
 
 def load_torch(path, legacy=None):
-    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors.
-
-    The zip format (torch >= 1.6, e.g. the official DiT checkpoints); the legacy one only with
-    `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights), which is called as
-    legacy(path, f, file_size) with `f` past the magic number. Only tensor rebuilding is allowed,
-    any other global raising UnsafePickleError before anything runs. bfloat16 comes back float32.
-    """
+    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors
+    (bfloat16 widened to float32). The zip format (torch >= 1.6, e.g. the official DiT checkpoints);
+    the legacy one only with `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights),
+    called as legacy(path, f, file_size) with `f` past the magic number."""
     def not_torch(why):
         return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
                           f"torch.save pickle; pass the file that torch.save wrote")
@@ -4428,28 +4371,25 @@ def load_torch(path, legacy=None):
                 raise InputError(f"{path}: the file is empty; download or save it again")
             if zipfile.is_zipfile(f):
                 with zipfile.ZipFile(f) as archive:
-                    obj = _load_torch_zip(path, archive, file_size)
-            else:
-                f.seek(0)
-                if f.read(2) == b"PK":
-                    raise InputError(f"{path}: a damaged or truncated zip archive; download or "
-                                     f"save it again")
-                f.seek(0)
-                try:
-                    magic = safe_unpickle(f, {})
-                except UnsafePickleError:
-                    raise
-                except (pickle.UnpicklingError, EOFError, ValueError, IndexError,
-                        struct.error) as e:
-                    raise not_torch(f"{type(e).__name__}: {e}") from None
-                if magic != _LEGACY_MAGIC:
-                    raise not_torch(f"it starts with {reprlib.repr(magic)}")
-                if legacy is None:
-                    raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, "
-                                     f"or _use_new_zipfile_serialization=False), which only fid.py "
-                                     f"reads; load it with torch and torch.save it again")
-                obj = legacy(path, f, file_size)
-            return _materialize(path, obj, file_size)
+                    return _materialize(path, _load_torch_zip(path, archive, file_size), file_size)
+            f.seek(0)
+            if f.read(2) == b"PK":
+                raise InputError(f"{path}: a damaged or truncated zip archive; download or save "
+                                 f"it again")
+            f.seek(0)
+            try:
+                magic = safe_unpickle(f, {})
+            except UnsafePickleError:
+                raise
+            except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
+                raise not_torch(f"{type(e).__name__}: {e}") from None
+            if magic != _LEGACY_MAGIC:
+                raise not_torch(f"it starts with {reprlib.repr(magic)}")
+            if legacy is None:
+                raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, or "
+                                 f"_use_new_zipfile_serialization=False), which only fid.py reads; "
+                                 f"load it with torch and torch.save it again")
+            return _materialize(path, legacy(path, f, file_size), file_size)
         except UnsafePickleError as e:
             raise UnsafePickleError(f"{path}: {e}") from None
         except InputError:
@@ -4473,11 +4413,8 @@ _DEFLATE_MAX_RATIO = 1032
 def read_npz(path, names=None):
     """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
     `names` that it holds (the others are left out, so that the caller can say what is missing).
-
-    np.load allocates whatever an array's header claims before reading it, and reads zip entries
-    that overlap; here each claim is checked first against the bytes really there (1032 times them
-    for np.savez_compressed), then numpy's read_array reads the array, refusing objects (pickle).
-    """
+    Not np.load, which allocates what an array's header claims before reading it, and reads zip
+    entries that overlap; numpy's read_array reads each array once its claims are checked."""
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         try:
@@ -4611,8 +4548,7 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order. The header's
-    size is checked against the file (gzip: the most deflate expands it to) before reading."""
+    dimensions, one big-endian uint32 per dimension, then the elements in C order."""
     fix = "delete it and download it again"
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -4723,14 +4659,13 @@ def default_cache_dir():
 
 
 def download(url, path, digest=None, algorithm="sha256"):
-    """Fetch url into path. The bytes go to a temporary file that takes the final name only once
-    complete and, when a published digest is given, verified: an interrupted or damaged download
-    never passes for the real file."""
+    """Fetch url into path through write_atomically, verified against the published digest when
+    one is given: an interrupted or damaged download never passes for the real file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # Named per host and process: hosts that share a cache folder can have equal process ids.
-    tmp, hasher = f"{path}.part.{socket.gethostname()}.{os.getpid()}", hashlib.new(algorithm)
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+    hasher = hashlib.new(algorithm)
+
+    def fetch(f):
+        with urllib.request.urlopen(url, timeout=60) as response:
             total = int(response.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True,
                       desc=f"downloading {os.path.basename(path)}") as bar:
@@ -4738,19 +4673,18 @@ def download(url, path, digest=None, algorithm="sha256"):
                     f.write(chunk)
                     hasher.update(chunk)
                     bar.update(len(chunk))
-            if total is not None and f.tell() != total:  # a connection that closed early
-                raise http.client.IncompleteRead(b"", total - f.tell())
+        if total is not None and f.tell() != total:  # a connection that closed early
+            raise http.client.IncompleteRead(b"", total - f.tell())
+        if digest is not None and hasher.hexdigest() != digest:
+            raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
+                             f"{hasher.hexdigest()}, the published one is {digest}. Try again, or "
+                             f"put a good copy at {path}")
+
+    try:
+        write_atomically(path, fetch)
     except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
                                 f"download it elsewhere and put it at {path}") from None
-    if digest is not None and hasher.hexdigest() != digest:
-        os.remove(tmp)
-        raise InputError(f"the download of {url} is corrupted: its {algorithm} is "
-                         f"{hasher.hexdigest()}, the published one is {digest}. Try again, or put "
-                         f"a good copy at {path}")
-    os.replace(tmp, path)
 
 
 # As a script; pasted into a notebook cell (no __file__ there), it only defines: call main([...]).

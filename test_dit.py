@@ -1573,7 +1573,7 @@ def test_load_vae_bad_sources(tmp_path, monkeypatch):
     monkeypatch.setattr("urllib.request.urlopen", offline)
     with pytest.raises(dit.InputError, match="by hand into"):
         load_vae("ema", cache_dir=str(tmp_path / "cache"))
-    assert not any(".part" in p.name or p.is_file() for p in (tmp_path / "cache").rglob("*"))
+    assert not any(".tmp" in p.name or p.is_file() for p in (tmp_path / "cache").rglob("*"))
 
 
 def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
@@ -1705,7 +1705,7 @@ def test_mnist_offline_says_what_to_put_where(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte.gz") as info:
         load_dataset("mnist", str(tmp_path / "mnist"))
     assert str(tmp_path / "mnist") in str(info.value)
-    assert not any(".part" in p.name for p in (tmp_path / "mnist").iterdir())
+    assert not any(".tmp" in p.name for p in (tmp_path / "mnist").iterdir())
 
 
 class FakeResponse(io.BytesIO):
