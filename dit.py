@@ -3923,6 +3923,7 @@ def sample_command(args):
     return scores  # what a notebook shows: the scores of each setting, not the features
 
 
+def recipes_table():
     """RECIPES as the text that --help shows."""
     keys = list(RECIPES["mnist"])
     rows = [["dataset", *keys]] + [[name, *(str(r[k]) for k in keys)]
