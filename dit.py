@@ -3038,8 +3038,8 @@ def model_of_metadata(path, meta, arrays, dtype):
     sizes = (cfg.input_size, cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.num_heads)
     if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
             or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
-            or cfg.hidden_size % 4
-            or cfg.hidden_size % cfg.num_heads or cfg.hidden_size // cfg.num_heads % 4):
+            or cfg.hidden_size % 4 or cfg.hidden_size % cfg.num_heads
+            or cfg.hidden_size // cfg.num_heads % 4):
         raise refuse(f"no DiT has the configuration it records, {cfg}")
     try:
         objective = make_objective(**settings)
