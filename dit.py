@@ -3213,7 +3213,8 @@ def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, i
     Labels spread evenly over the classes (sample_ddp.py's random ones add variance to FID);
     save(images, labels) where given, before the scoring, whose failure then loses no samples.
     Scores, given `inception` or `reference`: fid.evaluate's against fid.load_reference's dict
-    (None: the Inception Score and the features alone). Each process feeds its share of them."""
+    (None: the Inception Score and the features alone). Every process holds all samples and feeds
+    its share; fid.py combines the statistics."""
     labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
