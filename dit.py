@@ -2959,8 +2959,8 @@ def model_of_metadata(path, meta, arrays, dtype):
     sizes = (cfg.input_size, cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.num_heads)
     if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
             or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
-            or cfg.hidden_size % 4
-            or cfg.hidden_size % cfg.num_heads or cfg.hidden_size // cfg.num_heads % 4):
+            or cfg.hidden_size % 4 or cfg.hidden_size % cfg.num_heads
+            or cfg.hidden_size // cfg.num_heads % 4):
         raise refuse(f"no DiT has the configuration it records, {cfg}")
     try:
         objective = make_objective(**settings)
@@ -3052,19 +3052,15 @@ class Sampler:
         # options: sample()'s (steps, method, cfg_scale, ..., return_trajectory)
         self.trajectory = options.get("return_trajectory", False)
         batch = NamedSharding(mesh, P("data"))
-
-        def run(params, noise, y, key):
-            return sample(nnx.merge(graphdef, params), objective, noise, y, key, **options)
-
-        self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
+        self.run = jax.jit(lambda params, noise, y, key: sample(
+            nnx.merge(graphdef, params), objective, noise, y, key, **options),
+            in_shardings=(None, batch, batch, None))
         # Samples are decoded and made uint8 on the device too: only bytes travel to the host.
-        self.vae = None
-        if vae is not None:
-            vae_graphdef, vae_params = nnx.split(vae)
-            self.vae = (vae_graphdef, jax.device_put(vae_params, NamedSharding(mesh, P())))
+        vae_graphdef, vae_params = nnx.split(vae) if vae is not None else (None, None)
+        self.vae_params = jax.device_put(vae_params, NamedSharding(mesh, P()))
 
         def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
-            vae = nnx.merge(self.vae[0], vae_params)
+            vae = nnx.merge(vae_graphdef, vae_params)
             one = lambda z: vae.decode(z[None])[0]  # noqa: E731  (h, w, C) -> (H, W, 3)
             return jax.lax.map(one, z, batch_size=DECODE_CHUNK)
 
@@ -3075,11 +3071,11 @@ class Sampler:
             return to_uint8(x)
 
         self.finish = jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
-        self.seconds = {"sample": 0.0, "decode": 0.0}
+        self.seconds = {"sample": 0.0, "decode": 0.0, "Inception": 0.0}  # sample_and_score's
 
     def images(self, x):
         """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1) on this host."""
-        return to_host(self.finish(self.vae[1] if self.vae else None, x))
+        return to_host(self.finish(self.vae_params, x))
 
     def __call__(self, params, noise, y, key):
         """Images (B, H', W', C') of noise (B, H, W, C) and labels (B,), and with return_trajectory,
@@ -3135,12 +3131,11 @@ def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, i
                      reference=None, save=None):
     """(images (n, H, W, 3) uint8, labels (n,), scores): the one path from weights to FID of
     training (Evaluator.fid), `sample --fid` and `bench --fid`, so that their figures compare.
-    n samples of `sampler` in global batches of batch_size, labels spread evenly over the classes
-    (sample_ddp.py's random ones add variance to FID); save(images, labels) where given, before
-    the scoring, whose failure then loses no samples; given either, fid.evaluate's scores by the
-    `inception` network against `reference` (fid.load_reference's dict, whose protocol is used;
-    None: the Inception Score and the features alone), else None. Every process holds all samples and feeds
-    its share; fid.py combines the statistics. sampler.seconds["Inception"] sums scoring time."""
+    Labels spread evenly over the classes (sample_ddp.py's random ones add variance to FID);
+    save(images, labels) where given, before the scoring, whose failure then loses no samples.
+    Scores, given `inception` or `reference`: fid.evaluate's against fid.load_reference's dict
+    (None: the Inception Score and the features alone). Every process holds all samples and feeds
+    its share; fid.py combines the statistics."""
     labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
@@ -3159,8 +3154,7 @@ def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, i
     start = time.perf_counter()
     share = images[jax.process_index()::jax.process_count()]
     scores = fid_module().evaluate(share, ref=reference, inception=inception)
-    sampler.seconds["Inception"] = (sampler.seconds.get("Inception", 0.0)
-                                    + time.perf_counter() - start)
+    sampler.seconds["Inception"] += time.perf_counter() - start
     return images, labels, scores
 
 
@@ -3225,22 +3219,18 @@ class Evaluator:
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
         if args.fid_every or args.final_fid:
             self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
-        n = device_multiple(16)
-        self.shape, self.num_classes = ds.input_shape, ds.num_classes
-
-        def grid_inputs():  # made once where the sampler takes them: an evaluation moves nothing
-            return (jax.random.normal(jax.random.key(args.seed + 1), (n, *self.shape)),
-                    jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2))
-        batch = NamedSharding(mesh, P("data"))
-        self.grid_noise, self.grid_labels, self.grid_key = jax.jit(
-            grid_inputs, out_shardings=(batch, batch, NamedSharding(mesh, P())))()
-        self.args, refs = args, [args.fid_ref] if args.fid_ref else []
+        batch, n = NamedSharding(mesh, P("data")), device_multiple(16)
+        # the grid's inputs, made once where the sampler takes them: an evaluation moves nothing
+        self.grid = jax.jit(lambda: (
+            jax.random.normal(jax.random.key(args.seed + 1), (n, *ds.input_shape)),
+            jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2)),
+            out_shardings=(batch, batch, NamedSharding(mesh, P())))()
+        self.args, self.ds, refs = args, ds, [args.fid_ref] if args.fid_ref else []
         if not refs and args.dataset == "imagenet100":
             data_dir = args.data_dir or default_data_dir("imagenet100")
             # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
             refs = [os.path.join(data_dir, name) for name in ("fid_ref.npz", "fid_stats.npz")]
-        self.ref, self.has_ref = (reference_on_every_host(refs) if self.fid_sampler
-                                  else (None, False))
+        self.ref, self.has_ref = reference_on_every_host(refs if self.fid_sampler else [])
         if self.has_ref:  # what FID needs, each host's own, before training rather than after
             with on_every_host():
                 self.inception = fid_module().load_inception(args.inception)
@@ -3250,13 +3240,11 @@ class Evaluator:
         # any count splits over them; validation_losses leaves the padding out.
         k = len(held_out)
         if k:
-            eps = np.random.default_rng(0).standard_normal((k, *self.shape), dtype=np.float32)
+            eps = np.random.default_rng(0).standard_normal((k, *ds.input_shape), dtype=np.float32)
             x, y = ds.inputs(held_out, np.zeros(k, bool), eps if ds.is_latent else None)
             padded = np.resize(np.arange(k), device_multiple(k))
             rows = np.array_split(padded, jax.process_count())[jax.process_index()]
-            self.val = (jax.make_array_from_process_local_data(batch, x[rows], (len(padded),
-                                                                                *x.shape[1:])),
-                        jax.make_array_from_process_local_data(batch, y[rows], padded.shape))
+            self.val = [jax.make_array_from_process_local_data(batch, a[rows]) for a in (x, y)]
             self.val_fn = jax.jit(lambda params, x, y: validation_losses(
                 nnx.merge(graphdef, params), objective, x, y, jax.random.key(0), k).mean(axis=1))
 
@@ -3265,7 +3253,7 @@ class Evaluator:
         directory, and TensorBoard), the validation loss at each of VAL_TIMES and its mean, FID."""
         args = self.args
         if step % args.sample_every == 0 or step == args.steps:
-            images = self.grid_sampler(params, self.grid_noise, self.grid_labels, self.grid_key)
+            images = self.grid_sampler(params, *self.grid)
             if jax.process_index() == 0:
                 path = os.path.join(args.run_dir, "samples", f"step_{step:07d}.png")
                 log.board.image(step, save_grid(images, path))
@@ -3284,7 +3272,7 @@ class Evaluator:
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
         *_, scores = sample_and_score(self.fid_sampler, params, n, self.args.batch_size,
-                                      self.shape, self.num_classes, self.args.seed,
+                                      self.ds.input_shape, self.ds.num_classes, self.args.seed,
                                       self.inception, self.reference)
         log.write({"step": step, **fid_record(scores)})
         print(f"step {step}: {fid_module().describe(scores)}")
@@ -3558,47 +3546,42 @@ def report_panels(runs, axis):
     levels = [(f"validation loss at t = {t:g}", xlabel, "loss",
                [(i, run.x(run.val, axis), run.values(run.val, "val_loss_t", f"{t:g}"), {})
                 for i, run in enumerate(runs)], []) for t in VAL_TIMES if validated]
-    # FID and the other scores during training: a marker for each sample count and protocol, and a
-    # line style for precision and recall, named in the panel's legend where there are several.
+    # FID and the other scores: during training, a marker for each sample count and protocol; by
+    # the guidance scale of each run's newest `sample --fid` sweep, a colour and marker for each
+    # guidance setting and sample count. A line style for precision and recall. Each is named in
+    # the panel's legend where there are several.
     kinds = sorted({scored(r) for run in runs for r in run.fid})
     markers = {kind: dict(marker="os^vD<>"[j % 7]) for j, kind in enumerate(kinds)}
+    trained, swept, swept_entries = [], [], []  # [(run index, xs, records, line options)]
+    for i, run in enumerate(runs):
+        for kind in kinds:
+            group = [r for r in run.fid if scored(r) == kind]
+            trained += [(i, run.x(group, axis), group, markers[kind])] if group else []
+        newest = [r for r in run.sweep if r["step"] == run.sweep[-1]["step"]]
+        settings = {}  # (guidance interval, guided channels, how scored) -> {scale: record}
+        for r in newest:  # the newest record of each scale
+            setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r))
+            settings.setdefault(setting, {})[as_number(r["cfg_scale"])] = r
+        for j, ((interval, channels, kind), by_scale) in enumerate(settings.items()):
+            style, scales = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7]), sorted(by_scale)
+            swept.append((i, np.array(scales), [by_scale[s] for s in scales], style))
+            where = "" if interval == "None" else f", guided in {interval}"
+            which = "" if channels in (None, "all") else f", {channels} channels guided"
+            swept_entries.append((f"step {newest[0]['step']:,}, {kind}{where}{which}", style))
     styles = {"precision": dict(linestyle="-"), "recall": dict(linestyle="--")}
-    scores = []
+    scores, sweeps = [], []
     for keys, title in SCORE_PANELS:
-        lines = []
-        for i, run in enumerate(runs):
-            for kind in kinds:
-                group = [r for r in run.fid if scored(r) == kind]
-                lines += [(i, run.x(group, axis), run.values(group, key),
-                           {**markers[kind], **styles.get(key, {})}) for key in keys if group]
-        if any(np.isfinite(ys).any() for _, _, ys, _ in lines):
-            entries = ([(kind, markers[kind]) for kind in kinds] if len(kinds) > 1 else []) + (
-                [(key, styles[key]) for key in keys] if len(keys) > 1 else [])
+        by_key = [(key, styles[key]) for key in keys] if len(keys) > 1 else []
+        during, guided = ([(i, xs, RunRecords.values(group, key), {**style, **styles.get(key, {})})
+                           for i, xs, group, style in lines for key in keys]
+                          for lines in (trained, swept))
+        if any(np.isfinite(ys).any() for _, _, ys, _ in during):
+            by_kind = [(kind, markers[kind]) for kind in kinds] if len(kinds) > 1 else []
             ylabel = title if len(kinds) > 1 else f"{title} ({kinds[0]})"
-            scores.append((f"{title} during training", xlabel, ylabel, lines, entries))
-    # `sample --fid` sweeps of the guidance scale: each run's newest, a line per guidance setting
-    # and sample count, each named in the panel's legend.
-    sweeps = []
-    for keys, title in (SCORE_PANELS[0], SCORE_PANELS[-1]):
-        lines, entries = [], []
-        for i, run in enumerate(runs):
-            newest = [r for r in run.sweep if r["step"] == run.sweep[-1]["step"]]
-            settings = {}  # (guidance interval, guided channels, how scored) -> {scale: record}
-            for r in newest:  # the newest record of each scale
-                setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r))
-                settings.setdefault(setting, {})[as_number(r["cfg_scale"])] = r
-            for j, ((interval, channels, kind), by_scale) in enumerate(settings.items()):
-                group = [by_scale[s] for s in sorted(by_scale)]
-                style = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7])
-                lines += [(i, np.array(sorted(by_scale)), run.values(group, key),
-                           {**style, **styles.get(key, {})}) for key in keys]
-                where = "" if interval == "None" else f", guided in {interval}"
-                which = "" if channels in (None, "all") else f", {channels} channels guided"
-                entries.append((f"step {newest[0]['step']:,}, {kind}{where}{which}", style))
-        entries += [(key, dict(color="grey", **styles[key])) for key in keys if len(keys) > 1]
-        if lines:
-            sweeps.append((f"{title} by guidance (sample --fid)", "guidance scale", title, lines,
-                           entries))
+            scores.append((f"{title} during training", xlabel, ylabel, during, by_kind + by_key))
+        if guided and title in ("FID", "Precision and Recall"):
+            sweeps.append((f"{title} by guidance (sample --fid)", "guidance scale", title,
+                           guided, swept_entries + by_key))
     return [row for row in (training, levels, scores, sweeps) if row]
 
 
@@ -3767,8 +3750,7 @@ def sample_command(args):
     metrics.jsonl, each with its guidance setting, for `report`."""
     mesh = make_mesh()
     scales = args.cfg_scale or [FID_CFG_SCALE if args.fid else GRID_CFG_SCALE]
-    intervals = args.guidance_interval or [None]
-    settings = list(itertools.product(scales, intervals))
+    settings = list(itertools.product(scales, args.guidance_interval or [None]))
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
@@ -3787,8 +3769,6 @@ def sample_command(args):
         if reference:
             say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
-    # the run that the weights are a step of, whose metrics the scores join
-    run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     steps = args.steps or objective.default_steps
     method = args.sampler or objective.default_method
     say(f"{args.ckpt}: {count_params(model):,} parameters, input {cfg.input_size}x"
@@ -3808,59 +3788,61 @@ def sample_command(args):
         latent_scale=latent_scale, return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
-    if args.fid:
-        root, ext, scores = *os.path.splitext(args.out or "samples.npz"), {}
-        for scale, interval in settings:
-            setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]"
-                                               if interval else "")
-            out = root + ext if len(settings) == 1 else (
-                f"{root}_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval
-                                          else "") + ext)
+    if not args.fid:
+        scale, interval = settings[0]
+        sampler = make_sampler(cfg_scale=scale, interval=interval)
+        n = device_multiple(args.n)
+        labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
+                  else spread_labels(n, cfg.num_classes))
+        noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
+        say(f"sampling {n} images ({method}, {steps} steps, guidance {scale:g})")
+        out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
+        images, trajectory = out if args.gif else (out, None)
+        if jax.process_index() != 0:
+            return
+        out_path = args.out or "samples.png"
+        grid = save_grid(images[:args.n], out_path)
+        print(f"{args.n} samples -> {out_path} ({sampler.seconds['sample']:.1f} s)")
+        if args.gif:
+            grids = [make_grid(frame[:args.n]) for frame in trajectory]
+            # hold the final grid for a while before the animation loops
+            grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20,
+                          duration=60, loop=0)
+            print(f"trajectory -> {args.gif}")
+        return grid
+    # the run that the weights are a step of, whose metrics the scores join
+    run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
+    root, ext = os.path.splitext(args.out or "samples.npz")
+    scores = {}
+    for scale, interval in settings:
+        setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval
+                                           else "")
+        suffix = f"_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval else "")
+        out = root + (suffix if len(settings) > 1 else "") + ext
 
-            def save(images, labels):
-                if jax.process_index() == 0:
-                    write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
-                    print(f"{len(images)} samples ({setting}) -> {out}")
-                if reference:
-                    say(f"scoring them against {args.ref}")
-            say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
-            *_, result = sample_and_score(make_sampler(cfg_scale=scale, interval=interval), params,
-                                          args.fid, args.batch_size, shape, cfg.num_classes,
-                                          args.seed, inception, reference, save)
-            if result:
-                print(f"{setting}: {fid.describe(result)}")
-                scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
-                if run_dir and jax.process_index() == 0:
-                    record = {"step": meta["step"], "cfg_scale": scale,
-                              "guidance_interval": interval,
-                              "guidance_channels": args.guidance_channels, "sampler": method,
-                              "sample_steps": steps, **fid_record(result)}
-                    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                        f.write(json.dumps(record) + "\n")
-        if run_dir and reference:
-            say(f"the scores joined {os.path.join(run_dir, 'metrics.jsonl')} (`dit.py report` "
-                f"draws them)")
-        return scores  # what a notebook shows: the scores of each setting, not the features
-    sampler = make_sampler(cfg_scale=scales[0], interval=intervals[0])
-    n = device_multiple(args.n)
-    labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
-              else spread_labels(n, cfg.num_classes))
-    noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
-    say(f"sampling {n} images ({method}, {steps} steps, guidance {scales[0]:g})")
-    out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
-    images, trajectory = out if args.gif else (out, None)
-    if jax.process_index() != 0:
-        return
-    out_path = args.out or "samples.png"
-    grid = save_grid(images[:args.n], out_path)
-    print(f"{args.n} samples -> {out_path} ({sampler.seconds['sample']:.1f} s)")
-    if args.gif:
-        grids = [make_grid(frame[:args.n]) for frame in trajectory]
-        # hold the final grid for a while before the animation loops
-        grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20,
-                      duration=60, loop=0)
-        print(f"trajectory -> {args.gif}")
-    return grid
+        def save(images, labels):
+            if jax.process_index() == 0:
+                write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
+                print(f"{len(images)} samples ({setting}) -> {out}")
+            if reference:
+                say(f"scoring them against {args.ref}")
+        say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
+        *_, result = sample_and_score(make_sampler(cfg_scale=scale, interval=interval), params,
+                                      args.fid, args.batch_size, shape, cfg.num_classes,
+                                      args.seed, inception, reference, save)
+        if result:
+            print(f"{setting}: {fid.describe(result)}")
+            scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
+            if run_dir and jax.process_index() == 0:
+                record = {"step": meta["step"], "cfg_scale": scale, "guidance_interval": interval,
+                          "guidance_channels": args.guidance_channels, "sampler": method,
+                          "sample_steps": steps, **fid_record(result)}
+                with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(record) + "\n")
+    if run_dir and reference:
+        say(f"the scores joined {os.path.join(run_dir, 'metrics.jsonl')} (`dit.py report` draws "
+            f"them)")
+    return scores  # what a notebook shows: the scores of each setting, not the features
 
 
 def recipes_table():

@@ -3095,7 +3095,7 @@ cfg = dit.DiTConfig(input_size=16, hidden_size=32, depth=1, num_heads=2)  # not 
 graphdef = nnx.graphdef(nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0))))
 sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=1,
                       method="euler", cfg_scale=1.0, vae=vae, latent_scale=0.5)
-chunked = lambda z: sampler.finish(sampler.vae[1], z)
+chunked = lambda z: sampler.finish(sampler.vae_params, z)
 whole = lambda z: dit.to_uint8(vae.decode(z / 0.5))
 x = jax.random.normal(jax.random.key(0), (14, 16, 16, 4))  # (B, h, w, latent)
 def compile(fn, n):
@@ -4887,7 +4887,7 @@ def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
     sampler = dit.Sampler(abstract_dit(tiny_config("rf"))[0], dit.make_objective("rf"),
                           dit.make_mesh(), steps=2, method="euler", cfg_scale=1.0, vae=vae,
                           latent_scale=vae.cfg.scaling_factor)
-    decode = lower(sampler.finish, sampler.vae[1], spec((7, 8, 8, 4)))
+    decode = lower(sampler.finish, sampler.vae_params, spec((7, 8, 8, 4)))
     assert decode.out_avals[0].shape == (7, 16, 16, 3)
 
 
@@ -4955,7 +4955,7 @@ def lower_on_a_v3_8(vae_dir):
     noise = spec((8, 8, 8, 4))
     found["sample"] = lower(sampler.run, params, noise, spec((8,), jnp.int32),
                             jax.eval_shape(lambda: jax.random.key(0))).nr_devices
-    found["decode"] = lower(sampler.finish, sampler.vae[1], noise).nr_devices
+    found["decode"] = lower(sampler.finish, sampler.vae_params, noise).nr_devices
     graphdef, state = nnx.split(vae)
     split = NamedSharding(mesh, P("data"))
     found["encode"] = lower(jax.jit(lambda state, x: prepare_imagenet100.encode_with_flip(
