@@ -6,38 +6,40 @@ Paper: "Scalable Diffusion Models with Transformers", W. Peebles and S. Xie, ICC
 inputs this file gives the official numbers (see test_dit.py and the fixtures it reads).
 
 The file is a book in four parts. Part I is DiT itself, pure functions and modules with no file
-input or output that use no name defined after them: a reader can stop at its end. Part II is what
-the harness's model (DiTPlus) and objectives add to the paper, read the same way. Part III is the
-harness that feeds and drives them. Part IV reads the files from outside, checking every claim they
-make; the harness calls into it, the one part that a reader meets before its definitions.
+input or output that use no name defined after them: a reader can stop at its end. Part II holds
+the ideas beyond the paper that the harness trains, each a section to study as Part I's, read the
+same way. Part III is the harness, the machinery that runs them. Part IV, an appendix, reads the
+files from outside, checking every claim they make; the harness calls into it, the one part that a
+reader meets before its definitions. Banners show the level: a part in a tall box, a numbered
+section in a box of three lines, a sub-section in one line of dashes.
 
     Part I: the core
       1. Configuration                    the model sizes of the paper; InputError
       2. Embeddings                       timesteps, class labels, patch positions
-      3. The DiT model                    patchify, adaLN-Zero blocks, the linear decoder, guidance
+      3. The DiT model                    embed, adaLN-Zero blocks, the linear decoder, guidance
       4. DDPM                             the paper's objective and samplers, as the official code
       5. Rectified flow                   straight paths from data to noise, Euler and Heun
       6. The training step                loss, gradients, AdamW, EMA: one jit-able step
       7. Sampling                         noise and labels in, samples out
     Part II: beyond the paper
-         DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: switches beyond the paper
-         Deferred masking                 MicroDiT's cheaper step: mix every patch, train on a share
-         EDM                              a third objective; OBJECTIVES, the one list of them
-         Memory and speed                 recomputation, fused attention, float32 matrix products
+      8. Memory and speed                 recomputation, fused attention, float32 matrix products
+      9. DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: the paper's block extended
+     10. EDM                              a third objective; OBJECTIVES, the one list of them
+     11. Deferred masking                 MicroDiT's cheaper step: mix every patch, train on a share
     Part III: the harness
-      8. Weight files                     PyTorch state dicts (DiT, VAE, Inception), safetensors
-      9. The autoencoder                  the Stable Diffusion VAE that maps images to latents
-     10. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
-     11. Checkpoints                      atomic saves, exact resume on any number of devices
-     12. The training loop                the mesh, the run directory, train()
-     13. Sampling and evaluation          grids, FID samples, weights from any file
-     14. Benchmark                        images/s, MFU and memory
-     15. Reports                          runs side by side: curves.png and report.md
-     16. Command line                     python dit.py [train|sample|...|report], one-line errors
-    Part IV: files from outside
-     17. Pickles and PyTorch files        a restricted unpickler; torch files without torch
-     18. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
-     19. JSON and downloads               checked JSON, verified downloads
+     12. Weight files                     PyTorch state dicts (DiT, VAE), safetensors
+     13. The autoencoder                  the Stable Diffusion VAE that maps images to latents
+     14. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
+     15. Checkpoints                      atomic saves, exact resume on any number of devices
+     16. The training loop                the mesh, the run directory, train()
+     17. Sampling and evaluation          grids, one path from a model to scored samples
+     18. Benchmark                        images/s, MFU and memory
+     19. Reports                          runs side by side: curves.png and report.md
+     20. Command line                     python dit.py [train|sample|...|report], one-line errors
+    Part IV: appendix, files from outside
+     21. Pickles and PyTorch files        a restricted unpickler; torch files without torch
+     22. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
+     23. JSON and downloads               checked JSON, verified downloads
 
 Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
 call main(["--size", "S", ...]) with the same arguments.
@@ -103,17 +105,18 @@ if __name__ == "__main__":
 #################################################################################
 
 #################################################################################
-#                               1. Configuration                                #
+#                                1. Configuration                               #
 #################################################################################
 
 # Hidden size, depth and heads of the four model sizes of Table 1 in the paper. With patch size 2,
-# 4 or 8 they give the twelve official configurations (DiT-S/2 ... DiT-XL/8).
+# 4 or 8 they give the twelve official configurations (DiT-S/2 ... DiT-XL/8). XS and XXS, below S,
+# are not in the paper: sizes that train in minutes on a CPU.
 DIT_SIZES = {"S": dict(hidden_size=384, depth=12, num_heads=6),
              "B": dict(hidden_size=768, depth=12, num_heads=12),
              "L": dict(hidden_size=1024, depth=24, num_heads=16),
              "XL": dict(hidden_size=1152, depth=28, num_heads=16),
-             "T": dict(hidden_size=256, depth=6, num_heads=4),  # not in the paper: for CPU demos
-             "D": dict(hidden_size=128, depth=6, num_heads=4)}  # nor this: the MNIST demo's
+             "XS": dict(hidden_size=256, depth=6, num_heads=4),
+             "XXS": dict(hidden_size=128, depth=6, num_heads=4)}  # the MNIST demo's
 
 
 class InputError(ValueError):
@@ -204,7 +207,7 @@ ARCHS = {"dit": dict(qk_norm=False, rms_norm=False, swiglu=False, rope=False),
 
 
 #################################################################################
-#          2. Embeddings: timesteps, class labels and patch positions           #
+#           2. Embeddings: timesteps, class labels and patch positions          #
 #################################################################################
 
 # The official code initialises every linear layer Xavier-uniform with zero bias, then overrides
@@ -710,7 +713,7 @@ class GaussianDiffusion:
         return (x, jnp.concatenate([noise[None], trajectory])) if return_trajectory else x
 
 #################################################################################
-#                                5. Rectified flow                              #
+#                               5. Rectified flow                               #
 #################################################################################
 
 class RectifiedFlow:
@@ -905,8 +908,9 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                           PART II: BEYOND THE PAPER                           #
 #                                                                               #
 #################################################################################
-# What the harness adds to the paper, each idea a section to study as Part I's: memory and speed,
-# DiT+'s switches, a third objective, a cheaper training step. It uses no name defined after it.
+# What the harness's model adds to the paper, each idea a section to study as Part I's: memory
+# and speed, DiT+'s switches, a third objective, a cheaper training step. Like Part I, it uses no
+# name defined after it.
 
 #################################################################################
 #                              8. Memory and speed                              #
@@ -1253,7 +1257,7 @@ class DeferredMasking:
 # and hosts, evaluation, reports, the command line.
 
 #################################################################################
-#                                 8. Weight files                               #
+#                                12. Weight files                               #
 #################################################################################
 # Official PyTorch checkpoints, read without torch, and safetensors files, read and written without
 # the safetensors package. Both name a parameter as PyTorch does.
@@ -1356,7 +1360,7 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or train.py's, whose EMA weights are taken), read through load_torch (section 17); its
+    or train.py's, whose EMA weights are taken), read through load_torch (section 21); its
     configuration from their shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
@@ -1383,7 +1387,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 
 
 #################################################################################
-#                               9. The autoencoder                              #
+#                              13. The autoencoder                              #
 #################################################################################
 # DiT never sees pixels at 256x256: it models the 32x32x4 latents of the Stable Diffusion VAE
 # (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse). Below is that
@@ -1405,7 +1409,7 @@ class VAEConfig:
 
     @classmethod
     def from_json(cls, path):
-        """Read a diffusers config.json through read_json (section 19); keys that do not change
+        """Read a diffusers config.json through read_json (section 23); keys that do not change
         the network (sample_size, ...) are ignored, options not built here refused."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda c: isinstance(c, dict), "a diffusers config (an object)", fix)
@@ -1596,9 +1600,7 @@ class AutoencoderKL(nnx.Module):
             return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
 
 
-#################################################################################
-#                          The released VAE's weights                           #
-#################################################################################
+# --- The released VAE's weights ------------------------------------------------
 
 def vae_torch_names(model):
     """{diffusers name: our name} of our AutoencoderKL's parameters: torch_name's, as the module
@@ -1673,7 +1675,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
 
 
 #################################################################################
-#                                    10. Data                                   #
+#                                    14. Data                                   #
 #################################################################################
 
 @dataclasses.dataclass
@@ -1750,9 +1752,7 @@ def default_data_dir(name: str) -> str:
     return os.path.join(default_cache_dir(), "datasets", name)
 
 
-#################################################################################
-#                                     MNIST                                     #
-#################################################################################
+# --- MNIST ---------------------------------------------------------------------
 
 _MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
 _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's mnist.py lists them
@@ -1762,7 +1762,7 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
 
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files, plain or gzipped, through read_idx (section 18); the 10,000
+    """The official MNIST IDX files, plain or gzipped, through read_idx (section 22); the 10,000
     test digits stand in when only they are there."""
     for split in ("train", "t10k"):
         images, labels = (next((p for p in (stem, stem + ".gz") if os.path.exists(p)), None)
@@ -1789,9 +1789,7 @@ def _load_mnist(data_dir: str) -> Dataset:
                    flip=False)
 
 
-#################################################################################
-#                                   CIFAR-10                                    #
-#################################################################################
+# --- CIFAR-10 ------------------------------------------------------------------
 
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -1802,7 +1800,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
     """The 50,000 CIFAR-10 training images of the official python-format release: its five
     training batches and batches.meta, from an extracted cifar-10-batches-py/, else in one pass
     from cifar-10-python.tar.gz (downloaded if missing), each through _unpickle_cifar and the
-    archive through _CappedGzip (section 18)."""
+    archive through _CappedGzip (section 22)."""
     for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(where, "data_batch_1")):
             found = {}
@@ -1853,9 +1851,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
                    np.concatenate(ys).astype(np.int64), 10, names)
 
 
-#################################################################################
-#                                 Image folder                                  #
-#################################################################################
+# --- Image folder --------------------------------------------------------------
 
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
                     ".webp")
@@ -1970,14 +1966,12 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     return Dataset("folder", x[:len(kept)], y, len(class_names), class_names)
 
 
-#################################################################################
-#                                 ImageNet-100                                  #
-#################################################################################
+# --- ImageNet-100 --------------------------------------------------------------
 
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with
     --pixels R), memory-mapped so that the whole set never has to fit in host memory; its JSON
-    through read_json (section 19)."""
+    through read_json (section 23)."""
     hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
             f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
             f"the folder it wrote")
@@ -2038,9 +2032,7 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
                    latent_scale)
 
 
-#################################################################################
-#                                  Load any                                     #
-#################################################################################
+# --- Load any ------------------------------------------------------------------
 
 def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
     """Load mnist, cifar10, folder or imagenet100 from data_dir (default: default_data_dir(name);
@@ -2065,9 +2057,7 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
     raise ValueError(f"unknown dataset {name!r}; choose mnist, cifar10, folder or imagenet100")
 
 
-#################################################################################
-#                                    Loader                                     #
-#################################################################################
+# --- Loader --------------------------------------------------------------------
 
 class Loader:
     """Endless stream of this process's share of each global batch, computed ahead by threads.
@@ -2151,7 +2141,7 @@ class Loader:
 
 
 #################################################################################
-#                                11. Checkpoints                                #
+#                                15. Checkpoints                                #
 #################################################################################
 
 def to_host(x):
@@ -2234,7 +2224,7 @@ def list_checkpoints(run_dir):
 
 
 def read_checkpoint(path, names=None):
-    """(metadata, arrays) of a checkpoint, through read_npz (section 18): only `names` if given."""
+    """(metadata, arrays) of a checkpoint, through read_npz (section 22): only `names` if given."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
         arrays = read_npz(path, None if names is None else ["__meta__", *names])
@@ -2288,14 +2278,14 @@ def export_ema(ckpt_path, out_path):
 
 
 #################################################################################
-#                              12. The training loop                            #
+#                             16. The training loop                             #
 #################################################################################
 
 # What `python dit.py --dataset NAME` trains by default. ImageNet-100: the paper's DiT-S/2 setup
 # (32x32x4 latents, batch 256, lr 1e-4, EMA 0.9999), 400K steps, rectified flow (`--objective ddpm`:
 # the paper's DDPM). MNIST, the CPU demo `python dit.py` runs in minutes, was tuned by measurement
 # (README, Quickstart): at this budget many small steps of a narrow model beat a few large ones of
-# DiT-T; lr 20x DiT's and an EMA warm-up make the first grid show trained weights.
+# DiT-XS; lr 20x DiT's and an EMA warm-up make the first grid show trained weights.
 PAPER_RECIPE = dict(size="S", patch=2, lr=1e-4, ema_decay=0.9999, ema_warmup=False, log_every=100,
                     final_fid=10_000)
 RECIPES = {
@@ -2305,7 +2295,7 @@ RECIPES = {
                                    sample_every=5_000),
     "folder": PAPER_RECIPE | dict(batch_size=128, steps=100_000, ckpt_every=5_000,
                                   sample_every=5_000),
-    "mnist": dict(size="D", patch=4, batch_size=32, lr=2e-3, ema_decay=0.999, ema_warmup=True,
+    "mnist": dict(size="XXS", patch=4, batch_size=32, lr=2e-3, ema_decay=0.999, ema_warmup=True,
                   steps=1_800, log_every=50, ckpt_every=600, sample_every=200, final_fid=0),
 }
 
@@ -2936,7 +2926,7 @@ def train(args):
 
 
 #################################################################################
-#                          13. Sampling and evaluation                          #
+#                          17. Sampling and evaluation                          #
 #################################################################################
 
 def model_of_metadata(path, meta, arrays, dtype):
@@ -3279,7 +3269,7 @@ class Evaluator:
 
 
 #################################################################################
-#                                 14. Benchmark                                 #
+#                                 18. Benchmark                                 #
 #################################################################################
 
 # Dense bfloat16 (T4: float16) peak FLOP/s of one JAX device, for model FLOPs utilisation (MFU):
@@ -3410,7 +3400,7 @@ def bench(args):
 
 
 #################################################################################
-#                                  15. Reports                                  #
+#                                  19. Reports                                  #
 #################################################################################
 
 # `python dit.py report RUN [RUN ...] --out DIR`: a week's figure and table from run directories
@@ -3692,7 +3682,7 @@ def report(run_dirs, out, axis="steps"):
 
 
 #################################################################################
-#                                16. Command line                               #
+#                                20. Command line                               #
 #################################################################################
 
 def run_cli(main, argv=None):
@@ -4064,7 +4054,7 @@ def main(argv=None):
 
 #################################################################################
 #                                                                               #
-#                          PART IV: FILES FROM OUTSIDE                          #
+#                     PART IV: APPENDIX, FILES FROM OUTSIDE                     #
 #                                                                               #
 #################################################################################
 # The readers of the files a user gives or a download brings: weight files, checkpoints, arrays,
@@ -4076,12 +4066,12 @@ def main(argv=None):
 # - no code from the file runs: pickles go through safe_unpickle, which resolves only the names
 #   of an explicit table, and .npy files are read without pickle;
 # - a file that fails a check raises InputError naming the file and what to do, which the command
-#   lines print as one line (run_cli, section 16).
+#   lines print as one line (run_cli, section 20).
 # Part III calls forward into these readers: the one forward reference of the book, by design, so
 # that every reader of outside bytes stands together.
 
 #################################################################################
-#                  17. Pickles and PyTorch files, without torch                 #
+#                  21. Pickles and PyTorch files, without torch                 #
 #################################################################################
 
 class UnsafePickleError(InputError, pickle.UnpicklingError):
@@ -4385,7 +4375,7 @@ def load_torch(path, legacy=None):
 
 
 #################################################################################
-#             18. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
+#             22. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
 #################################################################################
 
 # Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
@@ -4620,7 +4610,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 
 
 #################################################################################
-#                             19. JSON and downloads                            #
+#                             23. JSON and downloads                            #
 #################################################################################
 
 def read_json(path, valid, expected, fix):
