@@ -3453,6 +3453,77 @@ def test_report_of_400k_steps_takes_seconds(tmp_path, capsys):
     assert seconds < 30
 
 
+def readme_table(heading):
+    """The rows (lists of cells) of the first table after the README's line `heading`."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        text = f.read()
+    text = text[text.index(heading):]
+    table = re.search(r"((?:^\|.*\|\n)+)", text, re.M)[1].splitlines()
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in table[2:]]
+
+
+def run_records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+# The README's two tables of runs, each row's runs/ folder (its --run-dir), whose run.json and
+# metrics.jsonl fixtures/runs holds: the rows' first cells, their options, name them.
+README_RUNS = {
+    "**The ablation**": {"`--arch dit`": "ablation-dit",
+                         "`--arch dit --seed 1`": "ablation-dit-seed1",
+                         "`--arch dit+ --qk-norm`": "ablation-dit+-qk-norm",
+                         "`--arch dit+`": "ablation-dit+"},
+    "**At equal wall-clock**": {"DiT+": "masking-dit+", "masking 0.5": "masked-50",
+                                "masking 0.5, then every patch": "masked-50-unmask",
+                                "**masking 0.75**": "masked-75",
+                                "masking 0.75, then every patch": "masked-75-unmask"}}
+
+
+@pytest.mark.parametrize("heading", README_RUNS)
+def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
+    """The README's DiT+ ablation and masking tables give the validation losses that their runs
+    logged (fixtures/runs: each run's run.json and metrics.jsonl), and the figure beside each is
+    `report` of those runs: its curves are their records, its legend their differing options."""
+    folders = README_RUNS[heading]
+    rows = readme_table(heading)
+    assert len(rows) == len(folders)
+    runs = []
+    for row in rows:
+        run_dir = fixture(os.path.join("runs", folders[row[0] if row[0] in folders else row[1]]))
+        runs.append(run_dir)
+        train, val = run_records(run_dir)
+        last = val[-1]
+        t_cell = row[-2] if heading == "**The ablation**" else row[-1]
+        levels = [f"{last['val_loss_t'][t]:.4f}" for t in ("0.125", "0.375", "0.625", "0.875")]
+        assert t_cell == " / ".join(levels), row
+        if heading == "**The ablation**":  # val_loss at steps 200, 400 and 600
+            assert [r["step"] for r in val] == [200, 400, 600]
+            assert [c.strip("*") for c in row[3:6]] == [f"{r['val_loss']:.4f}" for r in val], row
+            assert row[-1] == f"{train[-1]['loss']:.3f}" and train[-1]["step"] == 600
+        else:  # the steps in 20 minutes, then the one more step that logs the validation loss
+            assert int(row[2]) == train[-2]["step"] == last["step"] - 1, row
+            assert row[-2].strip("*") == f"{last['val_loss']:.4f}", row
+    figure = dit.main(["report", *runs, "--out", str(tmp_path / "report")]).figure
+    labels = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert len(set(labels)) == len(runs)
+    axes = panels(figure)
+    for i, run_dir in enumerate(runs):
+        train, val = run_records(run_dir)
+        np.testing.assert_array_equal(
+            xy(axes["validation loss, mean of the noise levels"].lines[i]),
+            [[r["step"] for r in val], [r["val_loss"] for r in val]])
+        raw = axes["training loss (faint: as logged)"].lines[2 * i]
+        np.testing.assert_array_equal(xy(raw)[1], [r["loss"] for r in train])
+    with open(os.path.join(HERE, "README.md")) as f:
+        readme = f.read()
+    after = readme[readme.index(heading):]
+    figure_file = re.search(r"!\[[^]]*\]\((fixtures/runs/[^)]+\.png)\)", after)[1]
+    assert Image.open(os.path.join(HERE, figure_file)).size == Image.open(
+        tmp_path / "report" / "curves.png").size
+
+
 @slow
 def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch):
     """`sample --fid --ref` on a run's exported weights adds the scores it prints to the run's
