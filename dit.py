@@ -3528,15 +3528,17 @@ def report_panels(runs, axis):
             finite = np.isfinite(y)
             lines += [(i, x, y, dict(alpha=0.25, linewidth=0.7)),
                       (i, x[finite], smoothed(y[finite]), dict(linewidth=1.5))]
-        val.append((i, run.x(run.val, axis), run.values(run.val, "val_loss"), {}))
+        # a marker at each evaluation: they are few, and a run evaluated once draws no line
+        val.append((i, run.x(run.val, axis), run.values(run.val, "val_loss"), dict(marker="o")))
     validated = any(run.val for run in runs)
     training = [("training loss (faint: as logged)", xlabel, "loss", loss, []),
                 ("training speed (faint: as logged)", xlabel, "images/s", speed, [])]
     if validated:
         training.insert(1, ("validation loss, mean of the noise levels", xlabel, "loss", val, []))
     levels = [(f"validation loss at t = {t:g}", xlabel, "loss",
-               [(i, run.x(run.val, axis), run.values(run.val, "val_loss_t", f"{t:g}"), {})
-                for i, run in enumerate(runs)], []) for t in VAL_TIMES if validated]
+               [(i, run.x(run.val, axis), run.values(run.val, "val_loss_t", f"{t:g}"),
+                 dict(marker="o")) for i, run in enumerate(runs)], [])
+              for t in VAL_TIMES if validated]
     # FID and the other scores: during training, a marker for each sample count and protocol; by
     # the guidance scale of each run's newest `sample --fid` sweep, a colour and marker for each
     # guidance setting and sample count. A line style for precision and recall. Each is named in
