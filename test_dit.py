@@ -64,6 +64,10 @@ from dit import (AutoencoderKL, center_crop_arr, Dataset, GaussianDiffusion, loa
 from dit import UnsafePickleError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# One CPU device, whatever the cores and whichever test starts JAX: dit.main's split_cpu then leaves
+# it as it is. Tests of several devices run processes with XLA_FLAGS of their own.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", 1)
 sys.path.insert(0, os.path.join(HERE, "fixtures"))
 from random_inception import random_inception_weights  # noqa: E402  (the reference scripts' rule)
 
@@ -2343,6 +2347,34 @@ def test_default_precision_per_device():
     for capability, name in [("7.5", "T4"), ("7.0", "V100"), ("6.0", "P100")]:
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
 
+
+# split_cpu in a fresh process, on a machine of `cores` cores; prints the devices JAX then has.
+SPLIT_CPU = """
+import os, sys
+sys.path.insert(0, {here!r})
+import jax
+import dit
+os.sched_getaffinity = lambda pid: set(range({cores}))
+{before}
+dit.split_cpu({batch})
+print(jax.device_count())
+"""
+
+
+@pytest.mark.parametrize("cores, batch, before, flags, devices", [
+    (2, 16, "", "", 2),                      # the bench's DiT-S/2 batch: 8 samples a core
+    (2, 12, "", "", 1),                      # 6 a core is too few
+    (4, 24, "", "", 3),                      # 4 cores do not split 24 into shares of 8: 3 do
+    (4, 32, "jax.devices()", "", 1),         # JAX has started: its one device stays
+    (4, 32, "", "--xla_force_host_platform_device_count=3", 3),  # the user's count stays
+])
+def test_split_cpu_gives_each_core_a_device_and_a_share_of_the_batch(cores, batch, before, flags,
+                                                                     devices):
+    code = SPLIT_CPU.format(here=HERE, cores=cores, before=before, batch=batch)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) == devices
 
 # Sends the process a signal (in a multi-host run, process `process` alone) while the data loader
 # prepares the second batch of the run: it arrives during the first step or the wait for the
