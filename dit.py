@@ -2415,7 +2415,6 @@ def setup_distributed(args):
         jax.distributed.initialize()
 
 
-
 # The fewest samples of a batch that split_cpu gives each CPU device: below it, on 2 cores, the
 # demo's model (XXS/4 on 28x28) trained slower split than whole.
 CPU_SHARE = 8
@@ -2438,6 +2437,7 @@ def split_cpu(batch_size):
             jax.config.update("jax_num_cpu_devices", count)
         except RuntimeError:  # JAX has started: its devices stay
             pass
+
 
 def use_compile_cache(directory):
     """JAX's persistent compilation cache in `directory` ("": none), so that a run started again
