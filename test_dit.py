@@ -2368,6 +2368,7 @@ print(jax.device_count())
     (4, 32, "jax.devices()", "", 1),         # JAX has started: its one device stays
     (4, 32, "", "--xla_force_host_platform_device_count=3", 3),  # the user's count stays
 ])
+@slow
 def test_split_cpu_gives_each_core_a_device_and_a_share_of_the_batch(cores, batch, before, flags,
                                                                      devices):
     code = SPLIT_CPU.format(here=HERE, cores=cores, before=before, batch=batch)
