@@ -2377,6 +2377,7 @@ def test_split_cpu_gives_each_core_a_device_and_a_share_of_the_batch(cores, batc
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == devices
 
+
 # Sends the process a signal (in a multi-host run, process `process` alone) while the data loader
 # prepares the second batch of the run: it arrives during the first step or the wait for the
 # second, and before the second step's batch reaches the training loop.
