@@ -2484,7 +2484,7 @@ def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_
     the run, and last shows the step where it did. (straight_run has compiled the same step into
     the session's compilation cache: the limit goes to steps, not to compiling.)"""
     out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 100_000_000,
-                                       ["--time-limit", "30s", "--log-every", "50",
+                                       ["--time-limit", "10s", "--log-every", "50",
                                         "--ckpt-every", "1000"]))
     last = int(re.search(r"reached --time-limit at step (\d+) of 100000000", out.stdout)[1])
     bars = [(int(n), int(total)) for n, total in re.findall(r"(\d+)/(\d+) \[", out.stderr)]
@@ -2891,11 +2891,11 @@ def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert Image.open(hosts[0] / "grid.png").size == (8 * 10 + 2, 8 * 10 + 2)
     sweep = ["sample", "--ckpt", f"{COURSE_RUN}/ema.safetensors", "--fid", "16", "--ref",
-             "in100-256/fid_ref.npz", "--cfg-scale", "1,1.5,2,3", "--steps", "2", "--inception",
+             "in100-256/fid_ref.npz", "--cfg-scale", "1,3", "--steps", "2", "--inception",
              inception_weights]
     codes, outs = two_processes(tmp_path, [sweep, sweep], 8, COURSE, hosts)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    for scale in ("1", "1.5", "2", "3"):
+    for scale in ("1", "3"):
         assert re.search(rf"^guidance {scale}: FID-16 \(adm\) [\d.]+", outs[0], re.M), outs[0]
         with np.load(hosts[0] / f"samples_cfg{scale}.npz") as f:
             assert f["arr_0"].shape == (16, 8, 8, 3)
