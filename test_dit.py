@@ -15,7 +15,6 @@ import atexit
 import base64
 import dataclasses
 import errno
-import functools
 import glob
 import gzip
 import hashlib
