@@ -2146,8 +2146,8 @@ class Loader:
 
 def to_host(x):
     """A global array as one numpy array on this host, gathered from the hosts it spans."""
-    if x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0) if x.is_fully_replicated else x)
+    if x.is_fully_addressable or x.is_fully_replicated:  # an explicit transfer, as jax counts it
+        return jax.device_get(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

@@ -2539,13 +2539,16 @@ atexit.register(lambda: print("EVENTS", json.dumps(events)))
 """
 
 
-def compiles_and_reads(stdout):
+def compiles_and_reads(stdout, steps):
     """(the compilations during the loop as (step under way, program), the steps after which
-    the host read a device array), from RECORD_COMPILES_AND_READS's record."""
+    the host read a device array), from RECORD_COMPILES_AND_READS's record of a run of `steps`
+    steps. A read while step s (from 0) is under way comes after step s + 1; the trace's call
+    after the loop, with s = steps, begins the run's end, which comes after step `steps`."""
     events = json.loads(re.search("^EVENTS (.*)$", stdout, re.M)[1])
     compiles = sorted((step, name) for kind, step, name in events
                       if kind == "compile" and step is not None)
-    return compiles, {step + 1 for kind, step, _ in events if kind == "read" and step is not None}
+    return compiles, {min(step + 1, steps) for kind, step, _ in events
+                      if kind == "read" and step is not None}
 
 
 @slow
@@ -2561,7 +2564,7 @@ def test_each_program_compiles_once_and_the_loop_waits_for_the_host_only_where_p
                                            ["--log-every", "4", "--sample-every", "3", "--fsdp",
                                             *VALIDATION]),
                       devices=2, patch=RECORD_COMPILES_AND_READS)
-        return compiles_and_reads(out.stdout)
+        return compiles_and_reads(out.stdout, steps)
 
     def programs(first_step, first_evaluation):  # steps from 0; "<lambda>": the validation loss
         return sorted([(first_step, "jit(train_step)"), (first_evaluation, "jit(run)"),
