@@ -95,8 +95,10 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
 UNOPTIMISED = "--xla_backend_optimization_level=0"
 
 
-def process_xla_flags(devices):
-    return f"--xla_force_host_platform_device_count={devices} {UNOPTIMISED}"
+def process_env(devices):
+    """The environment of a process that the tests start: `devices` CPU devices, unoptimised."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {UNOPTIMISED}"}
 
 
 @pytest.fixture(autouse=True)
@@ -195,8 +197,7 @@ def run_python(args, env, cwd=None):
 def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(here=HERE, patch=patch))
-    env = {**os.environ, "XLA_FLAGS": process_xla_flags(devices), "JAX_PLATFORMS": "cpu",
-           **(env or {})}
+    env = {**process_env(devices), **(env or {})}
     proc, _ = run_python([str(script), *args], env)
     if check and proc.returncode != 0:
         raise AssertionError(f"dit.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n"
@@ -2705,7 +2706,7 @@ def two_processes(tmp_path, argvs, devices=2, patch="", cwds=(None, None)):
     port = free_port()
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(here=HERE, patch=patch))
-    env = {**os.environ, "XLA_FLAGS": process_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
+    env = process_env(devices)
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
              "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
              "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"}
@@ -4752,7 +4753,7 @@ def test_prepare_on_two_hosts_with_local_disks(tmp_path):
     jax.distributed joined: the same command on both leaves the whole split on each."""
     src, _, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
     coordinator = f"localhost:{free_port()}"
-    env = {**os.environ, "XLA_FLAGS": process_xla_flags(2), "JAX_PLATFORMS": "cpu"}
+    env = process_env(2)
     disks = [tmp_path / f"disk{k}" / "in100" for k in (0, 1)]
 
     def host(k):  # joins the other process, then runs the command line
