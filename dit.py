@@ -97,7 +97,6 @@ with warnings.catch_warnings():  # without ipywidgets, tqdm.auto says so and dra
 if __name__ == "__main__":
     sys.modules.setdefault("dit", sys.modules["__main__"])
 
-
 #################################################################################
 #                                                                               #
 #                               PART I: THE CORE                                #
@@ -118,7 +117,6 @@ DIT_SIZES = {"S": dict(hidden_size=384, depth=12, num_heads=6),
              "XS": dict(hidden_size=256, depth=6, num_heads=4),
              "XXS": dict(hidden_size=128, depth=6, num_heads=4)}  # the MNIST demo's
 
-
 class InputError(ValueError):
     """What the user gave (a file, folder, path, option or the data in them) cannot be used.
 
@@ -130,7 +128,6 @@ class InputError(ValueError):
         """What IPython and Jupyter show of it in place of a traceback: the same one line."""
         return [one_line(self)]
 
-
 def one_line(e):
     """`error: <message>` of an InputError or an OSError (a missing file, a full disk)."""
     message = str(e)
@@ -139,11 +136,9 @@ def one_line(e):
     # A message can quote another library's error text, which may span lines.
     return "error: " + " ".join(message.splitlines())
 
-
 # The oldest releases this file runs on: flax 0.12.0 brought nnx.List and needs jax 0.7.1; optax
 # 0.2.5 brought optax.tree. Checked at import, so that an older notebook image ends in one line.
 MINIMUM_VERSIONS = {"jax": "0.7.1", "flax": "0.12.0", "optax": "0.2.5"}
-
 
 def check_versions(installed):
     """InputError naming the packages of `installed` ({name: version}) older than they must be."""
@@ -156,14 +151,12 @@ def check_versions(installed):
         raise InputError(f"found {found}; this code needs {', '.join(need)}: pip install -U "
                          f"{' '.join(repr(n) for n in need)}{extras}, then restart Python")
 
-
 try:
     check_versions({name: sys.modules[name].__version__ for name in MINIMUM_VERSIONS})
 except InputError as e:
     if hasattr(sys.modules["__main__"], "__file__"):  # a script, not a notebook or a prompt
         raise SystemExit(one_line(e)) from None
     raise
-
 
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
@@ -199,12 +192,10 @@ class DiTConfig:
     def out_channels(self):
         return 2 * self.in_channels if self.learn_sigma else self.in_channels
 
-
 # The named architectures: the paper's DiT, and DiT+ with the changes that the README's ablation
 # kept. QK-norm did not help there and stays a switch: a stabiliser for large models in bfloat16.
 ARCHS = {"dit": dict(qk_norm=False, rms_norm=False, swiglu=False, rope=False),
          "dit+": dict(qk_norm=False, rms_norm=True, swiglu=True, rope=True)}
-
 
 #################################################################################
 #           2. Embeddings: timesteps, class labels and patch positions          #
@@ -216,7 +207,6 @@ xavier = nnx.initializers.xavier_uniform()
 normal02 = nnx.initializers.normal(0.02)
 zeros = nnx.initializers.zeros_init()
 
-
 def timestep_embedding(t, dim, max_period=10000):
     """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
     code (cosines first, then sines; frequencies falling geometrically from 1 to 1/max_period)."""
@@ -224,7 +214,6 @@ def timestep_embedding(t, dim, max_period=10000):
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-
 
 def sincos_pos_embed_2d(dim, grid):
     """Fixed 2-D sine-cosine position table (T, dim) of grid x grid patches, T = grid**2, row-major.
@@ -241,7 +230,6 @@ def sincos_pos_embed_2d(dim, grid):
                              indexing="ij")
     return np.concatenate([embed_1d(dim // 2, cols), embed_1d(dim // 2, rows)], axis=1)
 
-
 class TimestepEmbedder(nnx.Module):
     """Embeds scalar timesteps into vectors: sinusoidal features, then a two-layer MLP with SiLU.
     The paper takes this embedding from ADM (Sec. 4, "Diffusion")."""
@@ -255,7 +243,6 @@ class TimestepEmbedder(nnx.Module):
 
     def __call__(self, t):  # (B,) -> (B, D)
         return self.mlp(timestep_embedding(t, self.freq_size))
-
 
 class LabelEmbedder(nnx.Module):
     """Embeds class labels into vectors. With dropout_prob > 0, one extra row, the null label
@@ -282,7 +269,6 @@ def modulate(x, shift, scale):
     """adaLN: scale and shift the normalised tokens x (B, T, D) per sample with (B, D) vectors."""
     return x * (1 + scale[:, None]) + shift[:, None]
 
-
 def layer_norm(x, eps=1e-6):
     """LayerNorm without learnable affine parameters (adaLN supplies scale and shift), in float32
     whatever the compute dtype: bfloat16 variances lose too much precision."""
@@ -291,13 +277,11 @@ def layer_norm(x, eps=1e-6):
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
-
 def adaln_zero(dim, n, *, dtype, rngs):
     """SiLU and a zero-initialised linear map from the conditioning c (B, D) to n vectors (B, n*D)
     of shifts, scales and gates: adaLN-Zero."""
     return nnx.Sequential(nnx.silu, nnx.Linear(dim, n * dim, kernel_init=zeros, dtype=dtype,
                                                rngs=rngs))
-
 
 class PatchEmbed(nnx.Module):
     """Patchify (Sec. 3.2, Fig. 4): each non-overlapping p x p patch becomes one token, by a linear
@@ -313,7 +297,6 @@ class PatchEmbed(nnx.Module):
     def __call__(self, x):  # (B, H, W, C) -> (B, T, D)
         x = self.proj(x)
         return x.reshape(x.shape[0], -1, x.shape[-1])
-
 
 class Attention(nnx.Module):
     """Multi-head self-attention with a fused qkv projection (timm's Attention, which DiT uses)."""
@@ -332,11 +315,9 @@ class Attention(nnx.Module):
     def attend(self, q, k, v):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
         return jax.nn.dot_product_attention(q, k, v)
 
-
 def gelu(x):
     """The tanh-approximated GELU of the official Mlp."""
     return jax.nn.gelu(x, approximate=True)
-
 
 class Mlp(nnx.Module):
     """The transformer's feed-forward layer: Linear, GELU, Linear."""
@@ -348,7 +329,6 @@ class Mlp(nnx.Module):
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
         return self.fc2(self.act(self.fc1(x)))
-
 
 class DiTBlock(nnx.Module):
     """A DiT block with adaLN-Zero conditioning (Sec. 3.2, Fig. 3).
@@ -375,7 +355,6 @@ class DiTBlock(nnx.Module):
         x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa))
         return x + gate_mlp[:, None] * self.mlp(modulate(self.norm(x), shift_mlp, scale_mlp))
 
-
 class FinalLayer(nnx.Module):
     """adaLN-modulated LayerNorm and a zero-initialised linear decoder from tokens to patches."""
 
@@ -389,7 +368,6 @@ class FinalLayer(nnx.Module):
     def __call__(self, x, c):  # x (B, T, D), c (B, D) -> (B, T, p*p*C_out)
         shift, scale = jnp.split(self.adaLN_modulation(c), 2, axis=-1)
         return self.linear(modulate(self.norm(x), shift, scale))
-
 
 class DiT(nnx.Module):
     """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
@@ -449,7 +427,6 @@ class DiT(nnx.Module):
             scale = jnp.where((t >= interval[0]) & (t <= interval[1]), scale, 1.0)
         mixed = uncond + scale[: half.shape[0], None, None, None] * (cond - uncond)
         return jnp.concatenate([jnp.concatenate([mixed, mixed]), out[..., n:]], axis=-1)
-
 
 def count_params(model):
     """Number of learnable parameters. (The official count also includes the fixed position table,
@@ -514,13 +491,11 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
         start += size
     return sorted(set(steps))
 
-
 def _extract(table, t, ndim):
     """table[t] for step indices t (B,), shaped (B, 1, ..., 1) to broadcast against (B, H, W, C):
     float32, rounded from the float64 table, as the official _extract_into_tensor gathers."""
     values = jnp.asarray(table, dtype=jnp.float32)[t]
     return values.reshape(values.shape + (1,) * (ndim - 1))
-
 
 def _mean_flat(x, mask=None):
     """Mean over every axis but the batch axis: (B, ...) -> (B,); with mask, weights broadcastable
@@ -531,12 +506,10 @@ def _mean_flat(x, mask=None):
     mask = jnp.broadcast_to(mask, x.shape)
     return jnp.sum(x * mask, axes) / jnp.maximum(jnp.sum(mask, axes), jnp.finfo(jnp.float32).tiny)
 
-
 def _normal_kl(mean1, logvar1, mean2, logvar2):
     """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)), elementwise, in nats."""
     return 0.5 * (-1.0 + logvar2 - logvar1 + jnp.exp(logvar1 - logvar2)
                   + (mean1 - mean2) ** 2 * jnp.exp(-logvar2))
-
 
 def _discretized_gaussian_log_likelihood(x, means, log_scales):
     """log P(x) per element under N(means, e^(2 log_scales)) integrated over x's bin of width 2/255,
@@ -550,7 +523,6 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
     p = jnp.where(x < -0.999, cdf_plus, jnp.where(x > 0.999, 1.0 - cdf_min, cdf_plus - cdf_min))
     return jnp.log(jnp.maximum(p, 1e-12))
 
-
 def check_output(objective, out, x):
     """The model's output `out`, after a ValueError unless it has the objective's channels for x
     (B, H, W, C): 2C under learned variance, else C."""
@@ -560,7 +532,6 @@ def check_output(objective, out, x):
                          f"{x.shape} to have {2 * C if objective.learn_sigma else C} channels, got "
                          f"{out.shape}; build the DiT with learn_sigma={objective.learn_sigma}")
     return out
-
 
 class GaussianDiffusion:
     """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT
@@ -778,7 +749,6 @@ class RectifiedFlow:
                                   return_trajectory)
         return (x, jnp.concatenate([noise[None], trajectory])) if return_trajectory else x
 
-
 def check_sampler(objective, steps, method):
     """A ValueError unless `method` is one of the objective's METHODS and `steps` a positive int."""
     if method not in objective.METHODS:
@@ -786,7 +756,6 @@ def check_sampler(objective, steps, method):
                          f"{' or '.join(map(repr, objective.METHODS))}")
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps must be a positive int, got {steps!r}")
-
 
 def integrate(f, x, times, method, return_trajectory=False):
     """Integrate dx/dt = f(x, t) from x at times[0] through `times` (K+1,): "euler", one call of f
@@ -803,7 +772,6 @@ def integrate(f, x, times, method, return_trajectory=False):
 
     return jax.lax.scan(step, x, (times[:-1], times[1:]))
 
-
 #################################################################################
 #                              6. The training step                             #
 #################################################################################
@@ -817,7 +785,6 @@ def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
         return optax.chain(optax.clip_by_global_norm(grad_clip), adamw), schedule
     return adamw, schedule
 
-
 def new_train_state(model, tx):
     """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
     DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
@@ -826,17 +793,14 @@ def new_train_state(model, tx):
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
 
-
 def loss_gradient(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux."""
     return jax.grad(loss_fn, has_aux=True)(state["params"])
-
 
 def batch_losses(objective, model, x, y, key, drop_key):
     """The objective's per-sample training losses of the model on the batch x (B, H, W, C), y (B,):
     timesteps and noise drawn from key, the label dropout from drop_key."""
     return objective.training_losses(lambda xt, t: model(xt, t, y, drop_key=drop_key), x, key)
-
 
 def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
                     gradient=loss_gradient, batch_losses=batch_losses):
@@ -872,7 +836,6 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 
     return train_step
 
-
 #################################################################################
 #                                  7. Sampling                                  #
 #################################################################################
@@ -883,7 +846,6 @@ def check_guidance(cfg, cfg_scale):
     if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
         raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
                          f"dropout, so it has no null label to guide with; sample at scale 1")
-
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
            interval=None, return_trajectory=False):
@@ -901,7 +863,6 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
     out = objective.sample(model_fn, x, key, steps, method, return_trajectory=return_trajectory)
     n = noise.shape[0]
     return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
-
 
 #################################################################################
 #                                                                               #
@@ -930,7 +891,6 @@ recomputed = functools.cache(jax.checkpoint)
 # each block's input and recomputes the block: a third more compute, for models too big otherwise.
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 
-
 def recompute_call(method, module, *args, remat):
     """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (None:
     kept). It calls a pure function of the module's arrays: nnx.remat's updates of the module fail
@@ -941,11 +901,9 @@ def recompute_call(method, module, *args, remat):
     pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
     return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
 
-
 def compute_capability(device):
     """An NVIDIA GPU's compute capability as a number (8.0 for Ampere); 0 for other devices."""
     return float(getattr(device, "compute_capability", 0) or 0)
-
 
 def attention_implementation(dtype, head_dim, device=None):
     """"cudnn" where cuDNN's fused flash attention runs, which never builds the (B, H, T, T)
@@ -956,7 +914,6 @@ def attention_implementation(dtype, head_dim, device=None):
              and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128)
     return "cudnn" if fused else "xla"
 
-
 def matmul_precision(dtype):
     """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
     TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes, and
@@ -965,7 +922,6 @@ def matmul_precision(dtype):
     if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()
-
 
 #################################################################################
 #                     9. DiT+: the switches beyond the paper                    #
@@ -978,7 +934,6 @@ def rms_norm(x, eps=1e-6):
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
 
-
 def rope_tables(head_dim, grid):
     """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021; in 2-D as in
     EVA-02 and LightningDiT) for a grid x grid of patches, row-major. Channel i of a head turns with
@@ -990,7 +945,6 @@ def rope_tables(head_dim, grid):
     angles = np.concatenate([angles, angles], axis=1)                     # (T, head_dim)
     return np.cos(angles), np.sin(angles)
 
-
 def apply_rope(x, cos, sin):
     """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by rope_tables'
     angles, (T, d) or each sample's own (B, T, d), so that q . k sees only the patches' offset."""
@@ -998,12 +952,10 @@ def apply_rope(x, cos, sin):
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
 
-
 # The patch of each token (B, T) while deferred masking's backbone runs on the tokens it kept
 # (below); None while the tokens are the whole grid in order. A context, as matmul_precision's,
 # rather than an argument, so that the paper's block (section 3) passes the tokens on unchanged.
 kept_patches = contextvars.ContextVar("kept_patches", default=None)
-
 
 class DiTPlusAttention(Attention):
     """Attention whose queries and keys are changed before they meet. qk_norm: each head's are
@@ -1033,10 +985,8 @@ class DiTPlusAttention(Attention):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k
 
-
 def swish_gate(a, b):
     return jax.nn.silu(a) * b
-
 
 class SwiGLU(nnx.Module):
     """The swiglu feed-forward layer w3(silu(x w1) * (x w2)), w1 and w2 fused into w12 (Shazeer
@@ -1050,7 +1000,6 @@ class SwiGLU(nnx.Module):
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
         a, b = jnp.split(self.w12(x), 2, axis=-1)
         return self.w3(recomputed(swish_gate)(a, b))
-
 
 class DiTPlusBlock(DiTBlock):
     """The paper's DiT block (adaLN-Zero, the forward pass) with the parts cfg's switches replace;
@@ -1075,7 +1024,6 @@ class DiTPlusBlock(DiTBlock):
     def __call__(self, x, c):
         return recompute_call(DiTBlock.__call__, self, x, c, remat=self.remat)
 
-
 class DiTPlus(DiT):
     """The model the harness trains and samples, for both architectures: DiT with DiT+'s blocks and
     final norm (the paper's with every switch off), run as "Memory and speed" says: float32
@@ -1093,7 +1041,6 @@ class DiTPlus(DiT):
         products in float32."""
         with matmul_precision(self.dtype):
             return forward(self, x, t, y, drop_key)
-
 
 #################################################################################
 #                    10. EDM: the objective beyond the paper                    #
@@ -1162,10 +1109,8 @@ class EDM:
         x = denoise(x, sigmas[-1])
         return (x, jnp.concatenate([noise[None], trajectory, x[None]])) if return_trajectory else x
 
-
 # The objectives, by the name that --objective and the checkpoints give.
 OBJECTIVES = {objective.name: objective for objective in (RectifiedFlow, GaussianDiffusion, EDM)}
-
 
 def make_objective(name, **options):
     """The objective called `name`, built from those of `options` that are its SETTINGS, ignoring
@@ -1174,11 +1119,9 @@ def make_objective(name, **options):
         raise InputError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
     return OBJECTIVES[name](**{k: v for k, v in options.items() if k in OBJECTIVES[name].SETTINGS})
 
-
 def objective_record(objective):
     """A checkpoint's record of an objective: its name and SETTINGS, make_objective's arguments."""
     return {"name": objective.name, **{k: getattr(objective, k) for k in objective.SETTINGS}}
-
 
 #################################################################################
 #                              11. Deferred masking                             #
@@ -1203,7 +1146,6 @@ def scatter_patches(model, tokens, keep):
     B, T = keep.shape[0], model.cfg.grid ** 2
     full = jnp.zeros((B, T, tokens.shape[-1]), tokens.dtype)
     return model.unpatchify(full.at[jnp.arange(B)[:, None], keep].set(tokens))
-
 
 @dataclasses.dataclass(frozen=True)
 class DeferredMasking:
@@ -1247,7 +1189,6 @@ class DeferredMasking:
             return scatter_patches(model, model.final_layer(x, c), keep)    # (B, H, W, C_out)
         return model(x, t, y, drop_key, forward=masked)
 
-
 #################################################################################
 #                                                                               #
 #                             PART III: THE HARNESS                             #
@@ -1268,15 +1209,12 @@ def flatten(tree):
     return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-
 # The arrays of a model that weight files hold: its parameters, and BatchNorm's statistics.
 WEIGHTS = nnx.Any(nnx.Param, nnx.BatchStat)
-
 
 def named_params(model):
     """{dotted path: array} of a model's weights, as flatten names them."""
     return flatten(nnx.to_pure_dict(nnx.state(model, WEIGHTS)))
-
 
 def set_params(model, named):
     """Set every weight of `model` from {dotted path: array}; the model may be nnx.eval_shape's."""
@@ -1287,11 +1225,9 @@ def set_params(model, named):
     nnx.update(model, state)
     return model
 
-
 # PyTorch's name for the last part of a weight's path where ours differs.
 _TORCH_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight",
                      "mean": "running_mean", "var": "running_var"}
-
 
 def torch_name(name):
     """The PyTorch state-dict key of our weight `name`: 'blocks.0.attn.qkv.kernel' ->
@@ -1300,7 +1236,6 @@ def torch_name(name):
     parts[-1] = _TORCH_LEAF_NAMES.get(parts[-1], parts[-1])
     return ".".join(parts)
 
-
 def to_torch_layout(name, value, inverse=False):
     """Our layout -> PyTorch's for the weight `name` (PyTorch's -> ours if `inverse`): linear
     kernels (in, out) <-> (out, in), convolution kernels HWIO <-> OIHW; other weights are alike."""
@@ -1308,7 +1243,6 @@ def to_torch_layout(name, value, inverse=False):
         return value
     axes = (2, 3, 1, 0) if inverse else (3, 2, 0, 1)
     return value.T if value.ndim == 2 else value.transpose(axes)
-
 
 def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
     """Copy a PyTorch state dict (numpy arrays) into `model` and return it: the one loader of the
@@ -1337,10 +1271,8 @@ def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
         values[name] = to_torch_layout(name, value, inverse=True)
     return set_params(model, values)
 
-
 # What a DiT weight file that fails load_torch_weights' checks holds.
 DIT_WEIGHTS_FIX = "it holds another model size or configuration"
-
 
 def infer_dit_config(state_dict):
     """The DiTConfig of an official state dict's shapes (heads from the official sizes)."""
@@ -1356,7 +1288,6 @@ def infer_dit_config(state_dict):
     return DiTConfig(input_size=math.isqrt(T) * p, patch_size=p, in_channels=C, hidden_size=D,
                      depth=depth, num_heads=heads, learn_sigma=out == 2 * C,
                      num_classes=0 if table is None else table.shape[0] - 1)
-
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
@@ -1384,7 +1315,6 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
         raise InputError(f"{path}: pos_embed is not the 2-D sin-cos table of a "
                          f"{cfg.grid}x{cfg.grid} grid")
     return model
-
 
 #################################################################################
 #                              13. The autoencoder                              #
@@ -1446,13 +1376,11 @@ class VAEConfig:
                              f"multiples of norm_num_groups={self.norm_num_groups} (GroupNorm "
                              f"splits the channels into groups)")
 
-
 def _group_norm(channels, groups, dtype, rngs):
     # two-pass variance like torch's GroupNorm; the one-pass E[x^2]-E[x]^2 loses digits on large
     # activations. flax computes the statistics in float32 whatever `dtype` is.
     return nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-6, use_fast_variance=False,
                          dtype=dtype, rngs=rngs)
-
 
 class VAEResnetBlock(nnx.Module):
     """diffusers ResnetBlock2D without time embedding: GroupNorm-SiLU-conv twice, a 1x1 shortcut."""
@@ -1471,7 +1399,6 @@ class VAEResnetBlock(nnx.Module):
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
         return x + h
-
 
 class VAEAttention(nnx.Module):
     """The mid-block self-attention over all H*W positions: one head as wide as the channels,
@@ -1492,7 +1419,6 @@ class VAEAttention(nnx.Module):
         out = self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v))
         return x + out.reshape(B, H, W, C)
 
-
 class VAEResample(nnx.Module):
     """A 3x3 conv that halves the resolution (down: stride 2; diffusers pads left 0, right 1, top
     0, bottom 1, a quirk of the original LDM code that the weights were trained with) or, after a
@@ -1505,7 +1431,6 @@ class VAEResample(nnx.Module):
 
     def __call__(self, x):  # (B, H, W, C) -> (B, H/2, W/2, C) down, (B, 2H, 2W, C) up
         return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
-
 
 class VAEBlock(nnx.Module):
     """diffusers DownEncoderBlock2D (`down`) or UpDecoderBlock2D: `n` ResnetBlocks, then, if
@@ -1524,7 +1449,6 @@ class VAEBlock(nnx.Module):
             x = block(x)
         return x
 
-
 class VAEMidBlock(nnx.Module):
     """diffusers UNetMidBlock2D at the lowest resolution: ResnetBlock, attention, ResnetBlock."""
 
@@ -1535,7 +1459,6 @@ class VAEMidBlock(nnx.Module):
 
     def __call__(self, x):
         return self.resnets[1](self.attentions[0](self.resnets[0](x)))
-
 
 class VAECoder(nnx.Module):
     """diffusers Encoder (`down`), image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent), or
@@ -1563,7 +1486,6 @@ class VAECoder(nnx.Module):
         for block in [*levels, self.mid_block] if self.down else [self.mid_block, *levels]:
             x = block(x)
         return self.conv_out(nnx.silu(self.conv_norm_out(x)))
-
 
 class AutoencoderKL(nnx.Module):
     """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar);
@@ -1599,7 +1521,6 @@ class AutoencoderKL(nnx.Module):
         with matmul_precision(self.dtype):
             return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
 
-
 # --- The released VAE's weights ------------------------------------------------
 
 def vae_torch_names(model):
@@ -1607,9 +1528,7 @@ def vae_torch_names(model):
     tree mirrors diffusers', but for to_out, a ModuleList([Linear, Dropout]) in diffusers."""
     return {torch_name(name).replace("to_out.", "to_out.0."): name for name in named_params(model)}
 
-
 _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
-
 
 def load_vae_weights(model, tensors, source="the weight file"):
     """load_torch_weights of a diffusers state dict (numpy arrays, either attention naming)."""
@@ -1619,12 +1538,10 @@ def load_vae_weights(model, tensors, source="the weight file"):
     return load_torch_weights(model, tensors, source, "is config.json the one that came with "
                               "these weights?", names=vae_torch_names(model))
 
-
 def vae_dtype(precision):
     """The VAE's compute dtype at a sampling precision: the model's, except float16, in which the
     SD VAE's activations overflow (diffusers upcasts it to float32 then, force_upcast)."""
     return jnp.float32 if precision == "fp16" else compute_dtype(precision)
-
 
 def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     """Build the AutoencoderKL with released weights, computing in `dtype`. `source`: "ema" or "mse"
@@ -1672,7 +1589,6 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
                          f"is config.json the one that came with these weights?")
     model = nnx.eval_shape(lambda: AutoencoderKL(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return load_vae_weights(model, tensors, source=weights)
-
 
 #################################################################################
 #                                    14. Data                                   #
@@ -1739,18 +1655,15 @@ class Dataset:
         y = np.zeros(len(idx)) if self.labels is None else self.labels[idx]
         return x, np.asarray(y, np.int32)
 
-
 def hold_out(n, k):
     """(training indices, held-out indices) of n samples, k held out for the validation loss: by n
     and k alone, not a run's seed, so that every run and architecture is validated alike."""
     perm = np.random.default_rng(0).permutation(n)
     return np.sort(perm[k:]), np.sort(perm[:k])
 
-
 def default_data_dir(name: str) -> str:
     """Where a dataset lives (and is downloaded to) unless data_dir says otherwise."""
     return os.path.join(default_cache_dir(), "datasets", name)
-
 
 # --- MNIST ---------------------------------------------------------------------
 
@@ -1759,7 +1672,6 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
     "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
 }
-
 
 def _load_mnist(data_dir: str) -> Dataset:
     """The official MNIST IDX files, plain or gzipped, through read_idx (section 22); the 10,000
@@ -1788,13 +1700,11 @@ def _load_mnist(data_dir: str) -> Dataset:
     return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)],
                    flip=False)
 
-
 # --- CIFAR-10 ------------------------------------------------------------------
 
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
-
 
 def _load_cifar10(data_dir: str) -> Dataset:
     """The 50,000 CIFAR-10 training images of the official python-format release: its five
@@ -1850,12 +1760,10 @@ def _load_cifar10(data_dir: str) -> Dataset:
     return Dataset("cifar10", np.ascontiguousarray(np.concatenate(xs)),
                    np.concatenate(ys).astype(np.int64), 10, names)
 
-
 # --- Image folder --------------------------------------------------------------
 
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
                     ".webp")
-
 
 def image_files(folder):
     """(the images directly in `folder`, {each sub-folder: the images at any depth in it}), by
@@ -1879,7 +1787,6 @@ def image_files(folder):
     loose = [p for p in images(folder, names) if os.path.isfile(p)]
     return loose, subfolders
 
-
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
     with a BOX filter while the short side is at least twice the target (cheap and alias-free),
@@ -1898,7 +1805,6 @@ def center_crop_arr(pil_image, image_size):
     top, left = ((side - image_size) // 2 for side in arr.shape[:2])
     return arr[top:top + image_size, left:left + image_size]
 
-
 def load_image(path, size=None):
     """Decode any file PIL reads (by its content, so a PNG named .JPEG works) as RGB, centre-cropped
     to size x size if a size is given: (uint8 (H, W, 3), None), or (None, reason) for a broken file,
@@ -1909,7 +1815,6 @@ def load_image(path, size=None):
             return (center_crop_arr(img, size) if size else np.asarray(img.convert("RGB"))), None
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds on malformed files
         return None, f"{type(e).__name__}: {e}"
-
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     """Every image under data_dir (image_files), centre-cropped as ADM/DiT do if a resolution is
@@ -1964,7 +1869,6 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
         raise InputError(f"none of the {len(files)} images in {data_dir} could be read")
     y = None if labels is None else np.asarray(labels, np.int64)[kept]
     return Dataset("folder", x[:len(kept)], y, len(class_names), class_names)
-
 
 # --- ImageNet-100 --------------------------------------------------------------
 
@@ -2031,7 +1935,6 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     return Dataset("imagenet100", x, labels.astype(np.int64), len(class_names), class_names,
                    latent_scale)
 
-
 # --- Load any ------------------------------------------------------------------
 
 def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
@@ -2055,7 +1958,6 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
     if name == "imagenet100":
         return _load_imagenet100(data_dir, resolution)
     raise ValueError(f"unknown dataset {name!r}; choose mnist, cifar10, folder or imagenet100")
-
 
 # --- Loader --------------------------------------------------------------------
 
@@ -2139,7 +2041,6 @@ class Loader:
     def __exit__(self, *exc):
         self.close()
 
-
 #################################################################################
 #                                15. Checkpoints                                #
 #################################################################################
@@ -2149,7 +2050,6 @@ def to_host(x):
     if x.is_fully_addressable or x.is_fully_replicated:  # an explicit transfer, as jax counts it
         return jax.device_get(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
 
 def write_atomically(path, write):
     """Write a file so that a crash at any instant leaves either the old file or the new one, whole;
@@ -2171,7 +2071,6 @@ def write_atomically(path, write):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
 
 def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
     """Save the training state as checkpoints/step_XXXXXXX.npz, keep the newest `keep`, return its
@@ -2214,14 +2113,12 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
             os.remove(old)
     return path
 
-
 def list_checkpoints(run_dir):
     """Finished checkpoints, oldest first (not the temporary files of an interrupted save)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
     return sorted(os.path.join(ckpt_dir, f) for f in names
                   if f.startswith("step_") and f.endswith(".npz"))
-
 
 def read_checkpoint(path, names=None):
     """(metadata, arrays) of a checkpoint, through read_npz (section 22): only `names` if given."""
@@ -2237,7 +2134,6 @@ def read_checkpoint(path, names=None):
     if not isinstance(meta, dict):
         raise InputError(f"{path} is not a DiT checkpoint: it has no metadata; {fix}")
     return meta, arrays
-
 
 def restore_state(arrays, abstract_state, shardings, what):
     """Put checkpoint arrays into a state of the given structure and shardings, on however many
@@ -2259,7 +2155,6 @@ def restore_state(arrays, abstract_state, shardings, what):
                                                    lambda index, a=array: a[index]))
     return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
-
 def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
     model configuration in the metadata: small enough to share."""
@@ -2275,7 +2170,6 @@ def export_ema(ckpt_path, out_path):
               for key in ("model", "objective", "latent_scale", "step")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
-
 
 #################################################################################
 #                             16. The training loop                             #
@@ -2302,7 +2196,6 @@ RECIPES = {
 # Steps that `train --profile` traces, counted from the first this process runs (which compiles).
 PROFILE_STEPS = range(10, 15)
 
-
 class StepTrace:
     """`train --profile DIR`: a jax.profiler trace of PROFILE_STEPS of a run that starts at step
     `start`. Called before each step with the state, and once after the last."""
@@ -2322,11 +2215,9 @@ class StepTrace:
             else:
                 jax.profiler.stop_trace()
 
-
 # The interval at which processes agree whether to stop: a flag's all-reduce waits for the step in
 # flight, which would otherwise overlap the next one's dispatch. A lone process checks every step.
 STOP_CHECK_EVERY = 10
-
 
 class Stop:
     """A stop after a whole step, with a checkpoint, on Ctrl-C (SIGINT, also a notebook's stop
@@ -2377,14 +2268,12 @@ class Stop:
         left = max(self.deadline - now, 0.0) * (done - start) / (now - self.start)  # in steps
         return min(steps, done + int(left))
 
-
 def set_total(bar, total):
     """A running tqdm bar's new total. The text bar reads it at each refresh; a notebook's widget
     (tqdm.notebook, which tqdm.auto takes where ipywidgets is installed) keeps its own maximum."""
     bar.total = total
     if hasattr(bar, "container"):
         bar.container.children[1].max = total
-
 
 def duration(text):
     """--time-limit: 8h30m, 90m, 45s, 1h (seconds)."""
@@ -2395,12 +2284,10 @@ def duration(text):
                                          f"{text!r}")
     return seconds
 
-
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
                 "grad_clip", "ema_decay", "ema_warmup", "seed", "resolution", "val_images")
-
 
 def setup_distributed(args):
     """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id,
@@ -2414,11 +2301,9 @@ def setup_distributed(args):
     elif launched:
         jax.distributed.initialize()
 
-
 # The fewest samples of a batch that split_cpu gives each CPU device: below it, on 2 cores, the
 # demo's model (XXS/4 on 28x28) trained slower split than whole.
 CPU_SHARE = 8
-
 
 def split_cpu(batch_size):
     """On a CPU, one JAX device per core, each with an equal share of the batch of at least
@@ -2438,7 +2323,6 @@ def split_cpu(batch_size):
         except RuntimeError:  # JAX has started: its devices stay
             pass
 
-
 def use_compile_cache(directory):
     """JAX's persistent compilation cache in `directory` ("": none), so that a run started again
     with the same settings (a notebook after its time limit, a resumed job) compiles nothing, where
@@ -2451,13 +2335,11 @@ def use_compile_cache(directory):
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-
 def check_batch_size(batch_size):
     """The global batch is split evenly over all devices of all hosts."""
     if batch_size % jax.device_count():
         raise InputError(f"--batch-size {batch_size} does not split over {jax.device_count()} "
                          f"devices; use a multiple of {jax.device_count()}")
-
 
 def model_config(args, input_size, in_channels, num_classes):
     """The DiTConfig of model_options' options for this input: --size, --patch, and --arch's
@@ -2469,10 +2351,8 @@ def model_config(args, input_size, in_channels, num_classes):
                          num_classes=num_classes, **DIT_SIZES[args.size], **switches,
                          learn_sigma=OBJECTIVES[args.objective].learn_sigma)
 
-
 def compute_dtype(precision):
     return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision]
-
 
 def default_precision(device=None):
     """The compute precision a device runs fast and right. bf16 where it is native: TPUs and NVIDIA
@@ -2486,7 +2366,6 @@ def default_precision(device=None):
         return "fp16"
     return "bf16"
 
-
 # What the loop adds to section 6's training step: float16 loss scaling, the loss by noise level.
 
 def loss_scale_state(dtype):
@@ -2494,7 +2373,6 @@ def loss_scale_state(dtype):
     if dtype != jnp.float16:
         return {}
     return {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
-
 
 def scaled_grad(loss_fn, state):
     """loss_gradient, but a float16 state multiplies its loss by its loss scale before the backward
@@ -2509,7 +2387,6 @@ def scaled_grad(loss_fn, state):
     (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(state["params"])
     return jax.tree.map(lambda g: g / scale, grads), aux
 
-
 def update_loss_scale(state, new_state, finite, period=2000):
     """Dynamic loss scaling (Micikevicius et al. 2018): a step whose gradients overflowed is
     skipped and the scale halved; after `period` good steps in a row the scale doubles. The step
@@ -2520,10 +2397,8 @@ def update_loss_scale(state, new_state, finite, period=2000):
     scale = jnp.where(finite, jnp.where(good == period, 2.0, 1.0), 0.5) * state["loss_scale"]
     return keep | {"loss_scale": scale, "good_steps": good % period}
 
-
 # The loss is also logged over this many equal ranges of noise level: where the model is weak.
 LOSS_BINS = 4
-
 
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
                    masking=None):
@@ -2550,13 +2425,11 @@ def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, s
     return jax.jit(train_step, in_shardings=(shardings, batch, batch),
                    out_shardings=(shardings, None), donate_argnums=0)
 
-
 def make_mesh():
     """A 1-D mesh, axis "data", over every device of every host. Auto axes: jit's partitioner lays
     out each intermediate from the shardings of the inputs and outputs."""
     return jax.make_mesh((jax.device_count(),), ("data",),
                          axis_types=(jax.sharding.AxisType.Auto,))
-
 
 def state_shardings(abstract_state, mesh, fsdp):
     """Data parallel: every device holds the whole state. FSDP (ZeRO-3): parameters, EMA and Adam
@@ -2572,7 +2445,6 @@ def state_shardings(abstract_state, mesh, fsdp):
         return P(*[("data" if d == largest else None) for d in range(len(shape))])
 
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a.shape)), abstract_state)
-
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     """(graphdef, state, shardings): the training state made directly in its shardings, so that a
@@ -2590,7 +2462,6 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
 
-
 def deferred_masking(args, cfg):
     """The DeferredMasking of --mask-ratio and --mixer-depth for the model of cfg, or None."""
     if not args.mask_ratio:
@@ -2602,7 +2473,6 @@ def deferred_masking(args, cfg):
         raise InputError(f"--mixer-depth {args.mixer_depth} leaves none of the model's "
                          f"{cfg.depth} blocks to the backbone; use fewer")
     return DeferredMasking(args.mask_ratio, args.mixer_depth)
-
 
 def open_run(args, cfg, ds, objective, masking):
     """(checkpoint to resume from or None, metadata for the run's checkpoints, whether each host
@@ -2652,7 +2522,6 @@ def open_run(args, cfg, ds, objective, masking):
                 os.remove(os.path.join(ckpt_dir, name))
     return checkpoint, meta, local_disks
 
-
 # What a host finds on its own disk (a pod slice's hosts have one each) must not send it down
 # another path through the collectives than the others, where they would wait for it for ever.
 
@@ -2677,7 +2546,6 @@ def on_every_host():
     if error:
         raise error
 
-
 def same_data_on_every_host(ds):
     """Every host must read the same dataset: its size sets the data order and the held-out
     images, its classes and shape the model; a host with another copy feeds other batches."""
@@ -2688,7 +2556,6 @@ def same_data_on_every_host(ds):
                          for i, (n, k, h, w, c) in enumerate(found))
         raise InputError(f"the hosts found different data ({each}): copy the same data to every "
                          f"host (--data-dir)")
-
 
 def run_dir_is_shared(run_dir):
     """Whether all processes see one run directory (one host, or a filesystem the hosts share), not
@@ -2716,7 +2583,6 @@ def run_dir_is_shared(run_dir):
                          f"folder that all hosts share, or one on each host's own disk")
     return bool(seen.all())
 
-
 def agree_on_checkpoint(run_dir, checkpoint, automatic):
     """The checkpoint every process resumes from, given the one each found. Where each host has its
     own disk, a save that a crash interrupted may have finished on some hosts only: they go back to
@@ -2737,7 +2603,6 @@ def agree_on_checkpoint(run_dir, checkpoint, automatic):
                          f"the newest from process 0's host to process {lacking}'s, or use a "
                          f"folder that all hosts share")
     return common
-
 
 class TensorBoard:
     """metrics.jsonl's records and grids as TensorBoard events in RUN_DIR/tensorboard, by the
@@ -2781,7 +2646,6 @@ class TensorBoard:
                                        width=grid.width, colorspace=len(grid.getbands()))
             self.write(step, [self.summary.Value(tag="samples", image=image)])
 
-
 def read_metrics(path):
     """The records of a metrics.jsonl, each a dict with a whole "step". A line that a killed run cut
     short, or that is not a record, is left out."""
@@ -2795,7 +2659,6 @@ def read_metrics(path):
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
     return records
-
 
 class MetricsLog:
     """A run's metrics.jsonl, one JSON record per line, written by process 0. A run resumed at
@@ -2854,7 +2717,6 @@ class MetricsLog:
         yield
         self.t0 += time.perf_counter() - t
 
-
 @dataclasses.dataclass
 class Run:
     """What training returns: where the run is and how it stands, which a notebook shows as one
@@ -2865,7 +2727,6 @@ class Run:
     fid: float | None
     stopped: str | None  # "interrupted" or "reached --time-limit" before the last step; None
     state: dict = dataclasses.field(repr=False)
-
 
 def train(args):
     """Train a DiT on args.dataset, from --resume's checkpoint or else run_dir's newest, if any."""
@@ -2948,7 +2809,6 @@ def train(args):
     return Run(args.run_dir, int(to_host(state["step"])), log.last.get("loss"),
                log.last.get("fid"), stopped, state)
 
-
 #################################################################################
 #                          17. Sampling and evaluation                          #
 #################################################################################
@@ -2987,7 +2847,6 @@ def model_of_metadata(path, meta, arrays, dtype):
         raise refuse(f"its latent_scale {scale!r} is not a positive number")
     return nnx.eval_shape(lambda: DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
 
-
 def load_model(path, dtype=jnp.float32):
     """(model, objective, metadata) for sampling, from any of the three weight files: our training
     checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
@@ -3016,11 +2875,9 @@ def load_model(path, dtype=jnp.float32):
     return (load_dit_checkpoint(path, dtype=dtype), GaussianDiffusion(),
             {"objective": {"name": "ddpm"}, "latent_scale": VAEConfig().scaling_factor})
 
-
 def to_uint8(images):
     """Model-space images in [-1, 1] -> uint8, rounded as the official sample_ddp.py does."""
     return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
-
 
 def make_grid(images):
     """Tile uint8 images (N, H, W, C) into one square image, with 2-pixel gaps."""
@@ -3032,7 +2889,6 @@ def make_grid(images):
         grid[2 + r * (h + 2):2 + r * (h + 2) + h, 2 + q * (w + 2):2 + q * (w + 2) + w] = img
     return Image.fromarray(grid[..., 0] if c == 1 else grid)
 
-
 def save_grid(images, path):
     """Save the grid of `images` as a PNG and return it (a notebook shows a returned image)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -3040,13 +2896,11 @@ def save_grid(images, path):
     grid.save(path)
     return grid
 
-
 # Images each device decodes at a time. The SD VAE decoder's largest activation, the 256-channel
 # input of its last level at 256x256, is 64 MiB per image in float32 (500 asked for 31 GiB at once);
 # with what is live beside it, XLA's CPU compiler assigns 224 MiB per image. 32, the official
 # sample_ddp.py's batch per GPU: about 7 GiB in float32, half in bfloat16, at any sampling batch.
 DECODE_CHUNK = 32
-
 
 def load_decoder(source, channels, dtype):
     """The VAE `source` (load_vae's) that decodes a model's latents of `channels` channels."""
@@ -3055,7 +2909,6 @@ def load_decoder(source, channels, dtype):
         raise InputError(f"--vae {source}: its latents have {vae.cfg.latent_channels} channels, "
                          f"the model's {channels}; pass the VAE that encoded the training data")
     return vae
-
 
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
@@ -3108,27 +2961,22 @@ class Sampler:
         self.seconds["decode"] += time.perf_counter() - sampled  # and the copy to the host
         return images
 
-
 def device_multiple(n):
     """n rounded up to a multiple of the device count, so that a batch splits over the devices."""
     return math.ceil(n / jax.device_count()) * jax.device_count()
 
-
 def spread_labels(n, num_classes):
     """Labels (n,) 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 without classes)."""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
-
 
 # The guidance scale of FID samples (train --fid-cfg-scale, sample --fid, bench --fid): the paper's
 # best FID-50K, 2.27 for DiT-XL/2, was sampled at 1.5; its sample grids at 4.
 FID_CFG_SCALE = 1.5
 GRID_CFG_SCALE = 4.0
 
-
 def count_label(n):
     """A sample count as a figure's name gives it: 10K for 10,000 (FID-10K), 32 for 32 (FID-32)."""
     return f"{n / 1000:g}K" if n and n % 1000 == 0 else f"{n:.0f}"
-
 
 def fid_module():
     """fid.py, with FID's Inception network: the file beside this one, or its text run in a cell."""
@@ -3140,7 +2988,6 @@ def fid_module():
         raise InputError("FID needs fid.py, which holds the Inception network: put it beside "
                          "dit.py, or paste its text into a notebook cell and run it") from None
     return fid
-
 
 def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, inception=None,
                      reference=None, save=None):
@@ -3172,7 +3019,6 @@ def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, i
     sampler.seconds["Inception"] += time.perf_counter() - start
     return images, labels, scores
 
-
 def fid_record(scores):
     """metrics.jsonl's fields of fid.evaluate's `scores`, as training and `sample --fid` log them
     for `report`: the figures, their sample count and protocol."""
@@ -3180,10 +3026,8 @@ def fid_record(scores):
             **{k: v for k, v in scores.items()
                if np.ndim(v) == 0 and k not in ("count", "protocol")}}
 
-
 # The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
-
 
 def validation_losses(model, objective, x0, y, key, n=None):
     """Per-sample losses (len(VAL_TIMES), n) of the first n (default: all) held-out x0 (B, H, W, C),
@@ -3199,7 +3043,6 @@ def validation_losses(model, objective, x0, y, key, n=None):
         losses.append(objective.losses_at(lambda x, t: model(x, t, y), x0, t,
                                           jnp.pad(noise, pad))["loss"][:n])
     return jnp.stack(losses)
-
 
 def reference_on_every_host(paths):
     """(path, whether found): the first of `paths` (FID references, best first) that any process
@@ -3218,7 +3061,6 @@ def reference_on_every_host(paths):
         if hosts.any():
             return path, True
     return paths[-1], False
-
 
 class Evaluator:
     """What a training run evaluates of its EMA weights (__call__): grids from the same noise and
@@ -3292,7 +3134,6 @@ class Evaluator:
         log.write({"step": step, **fid_record(scores)})
         print(f"step {step}: {fid_module().describe(scores)}")
 
-
 #################################################################################
 #                                 18. Benchmark                                 #
 #################################################################################
@@ -3307,13 +3148,11 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10
               "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
               "TPU v6 lite": 918e12, "TPU v6e": 918e12}
 
-
 def peak_flops(device):
     """PEAK_FLOPS of one JAX device like `device`, or None where unknown (a CPU)."""
     if device.platform == "tpu":
         return PEAK_FLOPS.get(device.device_kind)
     return next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
-
 
 def dit_flops(cfg):
     """Forward FLOPs of one image (2 per multiply-add): the blocks' matrix products, attention and
@@ -3326,12 +3165,10 @@ def dit_flops(cfg):
              + T * D * p * p * cfg.out_channels)
     return 2 * (cfg.depth * per_block + embed)
 
-
 def profiled(profile_dir, name):
     """A jax.profiler trace into profile_dir/name, one TensorBoard run; none without profile_dir."""
     return (jax.profiler.trace(os.path.join(profile_dir, name)) if profile_dir
             else contextlib.nullcontext())
-
 
 def timed(step, n, profile_dir, name):
     """(seconds of the first call of `step`, which compiles it; seconds per call over the n calls
@@ -3345,7 +3182,6 @@ def timed(step, n, profile_dir, name):
             out = step()
         jax.block_until_ready(out)
         return compile_s, (time.perf_counter() - start) / n
-
 
 def bench(args):
     """Speed on synthetic data with random weights (speed is independent of them): the training step
@@ -3423,7 +3259,6 @@ def bench(args):
                                                         state["params"], mesh, shape)
     return figures
 
-
 #################################################################################
 #                                  19. Reports                                  #
 #################################################################################
@@ -3441,12 +3276,10 @@ def run_of(path):
         folder = os.path.dirname(folder)
     return folder if os.path.isfile(os.path.join(folder, "run.json")) else None
 
-
 def as_number(value):
     """A logged figure as a float; NaN, a gap in a curve, where it is missing or None."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return float(value) if ok else math.nan
-
 
 class RunRecords:
     """A run directory as a report reads it: run.json's settings, and metrics.jsonl's records by
@@ -3486,7 +3319,6 @@ class RunRecords:
         steps = np.array([r["step"] for r in records], float)
         return np.interp(steps, *self.hours) if axis == "hours" else steps
 
-
 def setting_option(settings, key):
     """A run's setting as the option that gives it ("--arch dit+", "--no-ema-warmup"): "" for a
     DiT+ switch that the run's --arch sets anyway, or a setting it lacks (which it had off)."""
@@ -3506,7 +3338,6 @@ def setting_option(settings, key):
         return ""
     return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
 
-
 def run_labels(runs):
     """Each run named by the options where its settings differ from the others'; by its folder's
     name as well where that leaves it unnamed or named as another is."""
@@ -3518,7 +3349,6 @@ def run_labels(runs):
             else f"{os.path.basename(os.path.normpath(run.dir))} {label}".rstrip()
             for run, label in zip(runs, labels)]
 
-
 def smoothed(values, share=0.02):
     """(N,) the mean of each value and those before it over `share` of the N: the trend of a noisy
     figure (the training loss, images/s)."""
@@ -3526,17 +3356,14 @@ def smoothed(values, share=0.02):
     total, i = np.concatenate([[0.0], np.cumsum(values)]), np.arange(1, len(values) + 1)
     return (total[i] - total[np.maximum(i - w, 0)]) / np.minimum(i, w)
 
-
 def scored(record):
     """How a record's scores were measured: "10K samples, adm"."""
     return (f"{count_label(as_number(record.get('fid_samples')))} samples, "
             f"{record.get('fid_protocol')}")
 
-
 # The panels of FID and fid.py's other scores (the keys of their records, the panel's name).
 SCORE_PANELS = ((("fid",), "FID"), (("sfid",), "sFID"), (("inception_score",), "Inception Score"),
                 (("precision", "recall"), "Precision and Recall"))
-
 
 def report_panels(runs, axis):
     """curves.png's rows of panels that some run has figures for: training; validation at each
@@ -3601,7 +3428,6 @@ def report_panels(runs, axis):
                            guided, swept_entries + by_key))
     return [row for row in (training, levels, scores, sweeps) if row]
 
-
 def report_figure(runs, labels, axis):
     """curves.png's matplotlib Figure: a panel per figure, a colour per run, named in its legend."""
     from matplotlib.figure import Figure
@@ -3631,7 +3457,6 @@ def report_figure(runs, labels, axis):
                ncols=1 if len(labels) > 3 or max(map(len, labels)) > 40 else len(labels))
     return fig
 
-
 def run_parameters(run_dir):
     """The parameter count of the model in a run's newest checkpoint, read from its metadata
     alone; None before the first checkpoint."""
@@ -3641,7 +3466,6 @@ def run_parameters(run_dir):
     meta, _ = read_checkpoint(found[-1], names=[])
     deepest = max(size["depth"] for size in DIT_SIZES.values())  # a run's model has a --size
     return count_params(model_of_metadata(found[-1], meta, deepest, jnp.float32)[0])
-
 
 def report_table(runs, labels, out, curves):
     """report.md's text: curves.png where it is drawn, a row per run, then the newest grid of each,
@@ -3673,7 +3497,6 @@ def report_table(runs, labels, out, curves):
     text = ["# Runs", "", *(["![curves](curves.png)", ""] if curves else []), *lines, ""]
     return "\n".join(text + (["## Samples", "", *grids] if grids else []))
 
-
 @dataclasses.dataclass
 class Report:
     """What `report` returns: the files it wrote, and the matplotlib Figure (for code that inspects
@@ -3685,7 +3508,6 @@ class Report:
     def _repr_png_(self):
         with open(self.curves, "rb") as f:
             return f.read()
-
 
 def report(run_dirs, out, axis="steps"):
     """report.md and curves.png in `out` for the run directories `run_dirs`, against training
@@ -3707,7 +3529,6 @@ def report(run_dirs, out, axis="steps"):
     print(f"{len(runs)} run{'s' * (len(runs) > 1)} -> {curves}, {markdown}")
     return Report(markdown, curves, fig)
 
-
 #################################################################################
 #                                20. Command line                               #
 #################################################################################
@@ -3720,14 +3541,12 @@ def run_cli(main, argv=None):
     except (InputError, OSError) as e:
         raise SystemExit(one_line(e)) from None
 
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse's parser, but a bad option raises InputError rather than printing the usage and
     exiting: one line from the command line, and in a notebook one line with the kernel alive."""
 
     def error(self, message):
         raise InputError(f"{message} (--help lists the options)")
-
 
 def _parsed(parse, expected, ok=lambda value: True):
     """An argparse type: `parse(text)` if it parses and `ok` accepts it, else an error."""
@@ -3741,14 +3560,12 @@ def _parsed(parse, expected, ok=lambda value: True):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return argument
 
-
 # Sizes and counts, scales (NaN fails `> 0` too), and lists such as "1,1.5,2" -> [1.0, 1.5, 2.0]
 positive_int = _parsed(int, "a whole number of at least 1", lambda n: n >= 1)
 non_negative_int = _parsed(int, "a whole number of at least 0", lambda n: n >= 0)
 positive_float = _parsed(float, "a number above 0", lambda x: x > 0)
 float_list = _parsed(lambda text: [float(part) for part in text.split(",")],
                      "comma-separated numbers")
-
 
 @contextlib.contextmanager
 def errors_named(option):
@@ -3758,7 +3575,6 @@ def errors_named(option):
         yield
     except InputError as e:
         raise InputError(f"{option}: {e}") from None
-
 
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
@@ -3861,7 +3677,6 @@ def sample_command(args):
             f"them)")
     return scores  # what a notebook shows: the scores of each setting, not the features
 
-
 def recipes_table():
     """RECIPES as the text that --help shows."""
     keys = list(RECIPES["mnist"])
@@ -3871,7 +3686,6 @@ def recipes_table():
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "recipes (the defaults of each --dataset; any option overrides its value):\n  " + \
         "\n  ".join(lines)
-
 
 def model_options(size=None, patch=None):
     """The options of the model that train and bench build, with each command's defaults."""
@@ -3903,7 +3717,6 @@ def model_options(size=None, patch=None):
     p.add_argument("--mixer-depth", type=non_negative_int, default=2, metavar="N",
                    help="with --mask-ratio: the first N blocks see every patch (default: 2)")
     return p
-
 
 def build_parser():
     steps_default = "(default: " + ", ".join(f"{name} {objective.default_steps}"
@@ -4046,7 +3859,6 @@ def build_parser():
                    "evaluations and checkpoints left out)")
     return parser
 
-
 def main(argv=None):
     """The command line, also callable from a notebook: main(["--dataset", "mnist"])."""
     argv = list(argv) if argv is not None else sys.argv[1:]
@@ -4081,7 +3893,6 @@ def main(argv=None):
                               or os.path.join(os.path.dirname(args.run_dir), "compile_cache"))
     return train(args)
 
-
 #################################################################################
 #                                                                               #
 #                     PART IV: APPENDIX, FILES FROM OUTSIDE                     #
@@ -4107,7 +3918,6 @@ def main(argv=None):
 class UnsafePickleError(InputError, pickle.UnpicklingError):
     """A pickle asked for a global (class or function) that is not on the allow list."""
 
-
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that reaches Python objects only through an explicit table: a pickle can call
     any importable function (`os.system`) by naming it, and every name goes through find_class."""
@@ -4128,7 +3938,6 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f"it uses a feature this reader does not support. Nothing from the file was "
                 f"run.") from None
 
-
 def _read_at_most(f, n):
     """Up to n bytes of f, read in pieces of 1 MiB: a count larger than the data really there
     allocates no more than that data (a single read would allocate all n at once)."""
@@ -4137,7 +3946,6 @@ def _read_at_most(f, n):
         pieces.append(piece)
         n -= len(piece)
     return b"".join(pieces)
-
 
 def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
@@ -4166,7 +3974,6 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
     checked = io.BytesIO(b"".join(parts))
     return _RestrictedUnpickler(checked, allowed, persistent_load, encoding).load()
 
-
 # Storage classes as torch names them in a pickle -> element type of their raw bytes.
 # bfloat16 has no numpy type; it is read as uint16 and widened to float32 (exact) in _storage_array.
 _TORCH_STORAGE_DTYPES = {
@@ -4175,7 +3982,6 @@ _TORCH_STORAGE_DTYPES = {
     "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
     "BoolStorage": np.bool_,
 }
-
 
 class _Record:
     """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets
@@ -4188,14 +3994,12 @@ class _Record:
                                 f"torch.save file never does this, so it may be malicious. Nothing "
                                 f"from the file was run.")
 
-
 class _StorageType(_Record):
     """Stand-in for a `torch.*Storage` class: its element type."""
     __slots__ = ("name", "dtype")
 
     def __init__(self, name):
         self.name, self.dtype = name, np.dtype(_TORCH_STORAGE_DTYPES[name])
-
 
 class _Storage(_Record):
     """A tensor storage named in the pickle; its bytes are attached once they have been read."""
@@ -4205,7 +4009,6 @@ class _Storage(_Record):
         self.storage_type, self.numel = storage_type, numel
         self.data = None  # 1-D numpy array of numel elements
 
-
 class _Tensor(_Record):
     """What `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks
     [, metadata])` rebuilds a tensor from, here only where its elements are, for _materialize."""
@@ -4214,7 +4017,6 @@ class _Tensor(_Record):
     def __init__(self, storage, offset, size, stride, *_):
         self.storage, self.offset, self.size, self.stride = (storage, offset, tuple(size),
                                                              tuple(stride))
-
 
 # Everything a torch.save file of tensors, state dicts and official DiT training checkpoints
 # ({"model", "ema", "opt", "args"}) names. argparse.Namespace becomes a SimpleNamespace: same
@@ -4228,7 +4030,6 @@ _TORCH_ALLOWED = {
 }
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of torch's legacy (non-zip) format
-
 
 def _storage_id(path, saved_id, file_size):
     """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it before
@@ -4251,7 +4052,6 @@ def _storage_id(path, saved_id, file_size):
                          f"damaged or was not written by torch.save")
     return storage_type, key, numel
 
-
 def _storage_array(storage, raw, little_endian):
     """Raw bytes (as many as its callers checked) -> the storage's 1-D array (bfloat16 widened)."""
     dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
@@ -4259,7 +4059,6 @@ def _storage_array(storage, raw, little_endian):
     if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
         data = (data.astype(np.uint32) << 16).view(np.float32)
     return data
-
 
 def _materialize(path, obj, file_size):
     """Replace every _Tensor in a nested structure by a numpy array (a copy, not a file view).
@@ -4309,7 +4108,6 @@ def _materialize(path, obj, file_size):
 
     return convert(obj)
 
-
 def _load_torch_zip(path, archive, file_size):
     """torch.save's format since 1.6: <top>/data.pkl and a file <top>/data/<key> per storage."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -4355,7 +4153,6 @@ def _load_torch_zip(path, archive, file_size):
 
     raw = read(archive.getinfo(pickles[0]), pickles[0])
     return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
-
 
 def load_torch(path, legacy=None):
     """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors
@@ -4403,14 +4200,12 @@ def load_torch(path, legacy=None):
             raise InputError(f"{path}: damaged or truncated PyTorch file ({type(e).__name__}: "
                              f"{e}); download it again, or save it again with torch.save") from None
 
-
 #################################################################################
 #             22. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
 #################################################################################
 
 # Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
 _DEFLATE_MAX_RATIO = 1032
-
 
 def read_npz(path, names=None):
     """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
@@ -4439,7 +4234,6 @@ def read_npz(path, names=None):
                 struct.error, OverflowError, MemoryError, NotImplementedError, zlib.error) as e:
             raise InputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e}); it is "
                              f"damaged or not numpy.savez's output, write it again") from None
-
 
 def _read_npy_member(path, archive, info, name):
     """One .npy entry of an .npz, its header checked against the entry's size before it is read."""
@@ -4470,11 +4264,9 @@ def _read_npy_member(path, archive, info, name):
         f.seek(0)  # read_array reads the header again, then the number of bytes checked here
         return np.lib.format.read_array(f, allow_pickle=False)
 
-
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
                        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
                        "U8": np.uint8, "BOOL": np.bool_}
-
 
 def read_safetensors(path):
     """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
@@ -4528,7 +4320,6 @@ def read_safetensors(path):
         tensors[name] = arr.astype(arr.dtype.newbyteorder("="))
     return tensors, metadata
 
-
 def write_safetensors(f, tensors, metadata):
     """Write float32 `tensors` and string `metadata` to the open file f in .safetensors format."""
     header, offset = {"__metadata__": metadata}, 0
@@ -4543,10 +4334,8 @@ def write_safetensors(f, tensors, metadata):
     for t in tensors.values():
         f.write(np.ascontiguousarray(t, "<f4").tobytes())
 
-
 # IDX element type codes -> big-endian numpy types (http://yann.lecun.com/exdb/mnist/, at the end)
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
 
 def read_idx(path: str) -> np.ndarray:
     """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
@@ -4582,12 +4371,10 @@ def read_idx(path: str) -> np.ndarray:
     return np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape).astype(
         dtype.newbyteorder("="))
 
-
 # CIFAR-10's python release: a gzipped tar of pickles, each a dict of numpy arrays.
 _CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
 
 _ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
-
 
 def _empty_array(cls, shape, dtype):
     """numpy's _reconstruct as the pickle of an array calls it: an empty array, which the pickle
@@ -4598,7 +4385,6 @@ def _empty_array(cls, shape, dtype):
                                      f"pickles never do")
     return np.empty(0).__reduce__()[0](np.ndarray, (0,), dtype)
 
-
 # The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
 # globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
 _CIFAR_PICKLE_GLOBALS = {
@@ -4606,7 +4392,6 @@ _CIFAR_PICKLE_GLOBALS = {
     ("numpy", "ndarray"): _ARRAY_CLASS,
     ("numpy", "dtype"): np.dtype,
 }
-
 
 class _CappedGzip(gzip.GzipFile):
     """A gzip file that refuses to read past `limit` uncompressed bytes: tarfile allocates what a
@@ -4621,7 +4406,6 @@ class _CappedGzip(gzip.GzipFile):
             raise InputError(f"{self.name} unpacks to more than {self.limit} bytes, more than "
                              f"CIFAR-10 holds; it is damaged, delete it and download it again")
         return super().read(size)
-
 
 def _unpickle_cifar(f, where: str) -> dict:
     try:
@@ -4638,7 +4422,6 @@ def _unpickle_cifar(f, where: str) -> dict:
         raise InputError(f"{where} holds a {type(obj).__name__}, not the dict of a CIFAR-10 batch")
     return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
-
 #################################################################################
 #                             23. JSON and downloads                            #
 #################################################################################
@@ -4654,11 +4437,9 @@ def read_json(path, valid, expected, fix):
         raise InputError(f"{path} is not {expected}; {fix}")
     return obj
 
-
 def default_cache_dir():
     """Where downloaded weights and datasets go: $DIT_CACHE, or ~/.cache/dit-jax."""
     return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
-
 
 def download(url, path, digest=None, algorithm="sha256"):
     """Fetch url into path through write_atomically, verified against the published digest when
@@ -4687,7 +4468,6 @@ def download(url, path, digest=None, algorithm="sha256"):
     except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors
         raise FileNotFoundError(f"could not download {url} ({e!r}). Without network access, "
                                 f"download it elsewhere and put it at {path}") from None
-
 
 # As a script; pasted into a notebook cell (no __file__ there), it only defines: call main([...]).
 if __name__ == "__main__" and "__file__" in globals():

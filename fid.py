@@ -59,7 +59,6 @@ except ModuleNotFoundError as e:
         raise
     dit = sys.modules["__main__"]  # pasted before dit.py: its text will run in this same namespace
 
-
 #################################################################################
 #                      FID InceptionV3 (pytorch-fid's port)                     #
 #################################################################################
@@ -90,7 +89,6 @@ def resize_matrix(in_size, out_size, half_pixel=True):
     np.add.at(matrix, (rows, hi), frac)
     return matrix
 
-
 def resize_bilinear(x, height, width, half_pixel=True):
     """(B, H, W, C) -> (B, height, width, C) by bilinear interpolation without antialiasing, as
     torch (half_pixel=True) or TensorFlow 1 (half_pixel=False) resize: resize_matrix.
@@ -106,7 +104,6 @@ def resize_bilinear(x, height, width, half_pixel=True):
     # (B, height, width, C)
     return jnp.einsum("pw,bowc->bopc", cols, x, precision=jax.lax.Precision.HIGHEST)
 
-
 # How images become Inception features, named by the code whose numbers each reproduces:
 # - "adm": OpenAI's evaluator (openai/guided-diffusion, evaluations/evaluator.py), which computed
 #   every figure of the DiT paper and of ADM: the graph's TF1 resize and normalisation, Inception
@@ -117,7 +114,6 @@ PROTOCOLS = ("adm", "pytorch-fid")
 DEFAULT_PROTOCOL = "adm"
 SPATIAL_CHANNELS = 7  # of mixed_6/conv, the sFID features
 SPATIAL_DIM = 17 * 17 * SPATIAL_CHANNELS
-
 
 class BasicConv2d(nnx.Module):
     """Convolution without bias, BatchNorm (eps 1e-3, the TF graph's) and ReLU: torchvision's
@@ -134,7 +130,6 @@ class BasicConv2d(nnx.Module):
     def __call__(self, x):
         return nnx.relu(self.bn(self.conv(x)))
 
-
 def avg_pool_3x3(x):
     """3x3 average pooling, stride 1, padding 1, where the padding is not counted in the average.
 
@@ -144,12 +139,10 @@ def avg_pool_3x3(x):
     """
     return nnx.avg_pool(x, (3, 3), (1, 1), padding=((1, 1), (1, 1)), count_include_pad=False)
 
-
 def max_pool_3x3(x, stride, padding=0):
     """3x3 max pooling; padding (where used) never wins, as in torch's max_pool2d."""
     return nnx.max_pool(x, (3, 3), (stride, stride),
                         padding=((padding, padding), (padding, padding)))
-
 
 class InceptionA(nnx.Module):
     """Mixed_5b/5c/5d: 1x1, 5x5, double 3x3 and pooled branches (35x35 grid)."""
@@ -169,7 +162,6 @@ class InceptionA(nnx.Module):
         branch_pool = self.branch_pool(avg_pool_3x3(x))
         return jnp.concatenate([self.branch1x1(x), branch5x5, branch3x3dbl, branch_pool], axis=-1)
 
-
 class InceptionB(nnx.Module):
     """Mixed_6a: halves the grid (35 -> 17) with strided 3x3 convolutions beside a max pool."""
 
@@ -182,7 +174,6 @@ class InceptionB(nnx.Module):
     def __call__(self, x):
         branch3x3dbl = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
         return jnp.concatenate([self.branch3x3(x), branch3x3dbl, max_pool_3x3(x, 2)], axis=-1)
-
 
 class InceptionC(nnx.Module):
     """Mixed_6b..6e: 7x7 convolutions factorised into 1x7 and 7x1 (17x17 grid)."""
@@ -209,7 +200,6 @@ class InceptionC(nnx.Module):
         branch_pool = self.branch_pool(avg_pool_3x3(x))
         return jnp.concatenate([self.branch1x1(x), branch7x7, branch7x7dbl, branch_pool], axis=-1)
 
-
 class InceptionD(nnx.Module):
     """Mixed_7a: halves the grid (17 -> 8) with strided convolutions beside a max pool."""
 
@@ -227,7 +217,6 @@ class InceptionD(nnx.Module):
         for conv in (self.branch7x7x3_2, self.branch7x7x3_3, self.branch7x7x3_4):
             branch7x7x3 = conv(branch7x7x3)
         return jnp.concatenate([branch3x3, branch7x7x3, max_pool_3x3(x, 2)], axis=-1)
-
 
 class InceptionE(nnx.Module):
     """Mixed_7b/7c: 3x3 convolutions split into parallel 1x3 and 3x1 outputs (8x8 grid).
@@ -259,7 +248,6 @@ class InceptionE(nnx.Module):
         pooled = avg_pool_3x3(x) if self.pool == "avg" else max_pool_3x3(x, 1, padding=1)
         branch_pool = self.branch_pool(pooled)
         return jnp.concatenate([self.branch1x1(x), branch3x3, branch3x3dbl, branch_pool], axis=-1)
-
 
 class InceptionV3(nnx.Module):
     """The FID InceptionV3: uint8 images (B, H, W, 3) -> (pool features (B, 2048), logits
@@ -327,7 +315,6 @@ class InceptionV3(nnx.Module):
             pool = x.mean(axis=(1, 2))  # (B, 2048): pytorch-fid's "pool3" features
             return pool, self.fc(pool), spatial  # (B, 2048), (B, 1008), (B, 2023)
 
-
 #################################################################################
 #                Weights: pytorch-fid's file, read once and cached               #
 #################################################################################
@@ -337,7 +324,6 @@ FID_WEIGHTS_URL = ("https://github.com/mseitzer/pytorch-fid/releases/download/fi
 FID_WEIGHTS_NAME = os.path.basename(FID_WEIGHTS_URL)
 FID_WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
 _PASS_OFFICIAL = f"Pass {FID_WEIGHTS_NAME} from {FID_WEIGHTS_URL}"
-
 
 def _load_torch_legacy(path, f, file_size):
     """torch's legacy format, the one of pytorch-fid's weights, for dit.load_torch, which has read
@@ -376,11 +362,9 @@ def _load_torch_legacy(path, f, file_size):
         storage.data = dit._storage_array(storage, f.read(nbytes), little_endian)
     return obj
 
-
 def load_torch(path):
     """dit.load_torch, reading also torch's legacy format, in which pytorch-fid's weights are."""
     return dit.load_torch(path, _load_torch_legacy)
-
 
 def _inception_with(state_dict, source):
     """An InceptionV3 holding pytorch-fid's state dict, read by dit.py's one loader of PyTorch
@@ -393,7 +377,6 @@ def _inception_with(state_dict, source):
     return dit.load_torch_weights(abstract, state_dict, source,
                                   f"not pytorch-fid's FID Inception weights. {_PASS_OFFICIAL}",
                                   skip=r".*\.num_batches_tracked")
-
 
 def load_inception(path=None, cache_dir=None):
     """The FID InceptionV3 with pytorch-fid's weights, read from `path` (its legacy-format .pth
@@ -439,7 +422,6 @@ def load_inception(path=None, cache_dir=None):
                       f"{digest[:12]}...): FID and Inception Score computed with it are not "
                       f"comparable with published numbers")
     return inception
-
 
 #################################################################################
 #               Statistics, Frechet distance and Inception Score                #
@@ -491,7 +473,6 @@ class FeatureStats:
                           f"images (FID-10K uses 10,000)")
         return self.mean.copy(), self.scatter / (self.count - 1)
 
-
 def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
     """||mu1 - mu2||^2 + Tr(sigma1 + sigma2 - 2 sqrt(sigma1 sigma2)), as pytorch-fid computes it.
 
@@ -524,7 +505,6 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps=1e-6):
         covmean = covmean.real
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
 
-
 def inception_score(logits, splits=10, split_size=None):
     """(mean, std) over parts of exp(E_x KL(p(y|x) || p(y))) (Salimans et al. 2016).
 
@@ -552,7 +532,6 @@ def inception_score(logits, splits=10, split_size=None):
         scores.append(np.exp(kl.mean()))
     return float(np.mean(scores)), float(np.std(scores))
 
-
 #################################################################################
 #          Precision and Recall (Kynkaanniemi et al. 2019), on the device        #
 #################################################################################
@@ -562,7 +541,6 @@ def inception_score(logits, splits=10, split_size=None):
 # recomputed in float32, so the same blocks give the same distances.
 PR_BLOCK = 10_000
 PR_NEIGHBOURS = 3  # the k of the k-NN radii, the evaluator's
-
 
 def _squared_distances(u, v, dtype):
     """(R, C) squared Euclidean distances |u|^2 - 2 u.v + |v|^2 (clamped at 0) of u (R, D) and
@@ -575,7 +553,6 @@ def _squared_distances(u, v, dtype):
                   precision=jax.lax.Precision.HIGHEST).astype(dtype)  # (R, C)
     return jnp.maximum(norm_u[:, None] - 2 * dot + norm_v[None, :], 0)
 
-
 @jax.jit
 def _block_distances(u, v):
     """The evaluator's DistanceBlock: float16 distances where all of the block's are finite, else
@@ -584,13 +561,11 @@ def _block_distances(u, v):
     return jax.lax.cond(jnp.isfinite(half).all(), lambda: half.astype(jnp.float32),
                         lambda: _squared_distances(u, v, jnp.float32))
 
-
 @functools.partial(jax.jit, static_argnums=2)
 def _nearest(nearest, block, k):
     """The k + 1 smallest squared distances of each row (R, k + 1), ascending, of the running ones
     (R, k + 1) and a new block (R, C)."""
     return -jax.lax.top_k(-jnp.concatenate([nearest, block], axis=1), k + 1)[0]
-
 
 def manifold_radii(features, k=PR_NEIGHBOURS):
     """(N,) squared distance of each feature vector (N, D) to its k-th nearest neighbour in the set,
@@ -607,7 +582,6 @@ def manifold_radii(features, k=PR_NEIGHBOURS):
         radii.append(nearest[:, k])
     return jnp.concatenate(radii)
 
-
 @jax.jit
 def _inside(u, v, radii_u, radii_v):
     """For blocks u (R, D) and v (C, D): whether each u lies in some ball of v (R,), and each v in
@@ -615,7 +589,6 @@ def _inside(u, v, radii_u, radii_v):
     distances = _block_distances(u, v)  # (R, C)
     return ((distances <= radii_v[None, :]).any(axis=1),
             (distances <= radii_u[:, None]).any(axis=0))
-
 
 def precision_recall(ref_features, features, k=PR_NEIGHBOURS):
     """Improved Precision and Recall (Kynkaanniemi et al. 2019) as OpenAI's evaluator computes them
@@ -638,7 +611,6 @@ def precision_recall(ref_features, features, k=PR_NEIGHBOURS):
             inside[j:j + PR_BLOCK] |= np.asarray(sample_in)
     return float(inside.mean()), float(ref_inside.mean())
 
-
 #################################################################################
 #                     Reference statistics and reference batches                  #
 #################################################################################
@@ -648,7 +620,6 @@ def save_statistics(path, mu, sigma, protocol="pytorch-fid"):
     `protocol` that made them, which pytorch-fid's reader ignores."""
     np.savez(path, mu=np.asarray(mu, np.float64), sigma=np.asarray(sigma, np.float64),
              protocol=np.array(protocol))
-
 
 def load_statistics(path):
     """(mu, sigma) from a pytorch-fid .npz or an OpenAI reference batch (which keeps `arr_0` beside
@@ -667,9 +638,7 @@ def load_statistics(path):
             f"`python fid.py stats`")
     return mu.astype(np.float64), sigma.astype(np.float64)
 
-
 REF_PR_IMAGES = 10_000  # OpenAI's reference batches keep 10,000 images for Precision and Recall
-
 
 def file_protocol(arrays):
     """The protocol of a statistics or reference file's arrays: its `protocol` if it names one
@@ -679,12 +648,10 @@ def file_protocol(arrays):
         return str(arrays["protocol"])
     return "adm" if "mu_s" in arrays else "pytorch-fid"
 
-
 def evenly_spaced(count, k):
     """Indices of min(k, count) of `count` items, evenly spaced from the first to the last: the
     images of a reference whose pool features are kept."""
     return np.linspace(0, count - 1, min(k, count)).round().astype(int)
-
 
 def save_reference(path, out):
     """A reference batch in OpenAI's evaluator's layout, from InceptionFeatures.result() (or the
@@ -694,7 +661,6 @@ def save_reference(path, out):
     Recall use of the images; and `protocol`."""
     np.savez(path, mu=out["mu"], sigma=out["sigma"], mu_s=out["mu_s"], sigma_s=out["sigma_s"],
              pool=np.asarray(out["pool"], np.float32), protocol=np.array(out["protocol"]))
-
 
 def load_reference(path):
     """The reference statistics and features of an .npz: {"protocol", "mu", "sigma"} and, where the
@@ -728,7 +694,6 @@ def load_reference(path):
                 ref["images"] = load_images(path)
     return ref
 
-
 #################################################################################
 #           Feature extraction over all devices and hosts, image sources        #
 #################################################################################
@@ -742,13 +707,11 @@ def _allgather(x):
     gathered = multihost_utils.process_allgather(x.view(np.uint32) if x.dtype.itemsize == 8 else x)
     return np.asarray(gathered).view(x.dtype)
 
-
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _inception_forward(graphdef, protocol, state, images):
     """Compiled once per (protocol, batch, image shape) and shared by every InceptionFeatures (e.g.
     repeated evaluations)."""
     return nnx.merge(graphdef, state)(images, protocol)
-
 
 class InceptionFeatures:
     """Streams uint8 images through the InceptionV3 as `protocol` feeds it: the statistics of the
@@ -849,7 +812,6 @@ class InceptionFeatures:
                 "count": len(logits), "pool": _gather_rows(self.pool, 2048), "logits": logits,
                 "score_logits": logits - self.fc_bias, "protocol": self.protocol}
 
-
 def _gather_rows(blocks, dim):
     """This process's float32 (n, dim) blocks -> the rows of all processes, in process order."""
     rows = np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
@@ -860,7 +822,6 @@ def _gather_rows(blocks, dim):
     padded = np.zeros((counts.max(), dim), np.float32)
     padded[:len(rows)] = rows
     return np.concatenate([part[:n] for part, n in zip(_allgather(padded), counts)])
-
 
 class ImageFolder:
     """The image files under a folder (recursively, sorted) as a sequence: folder[i:j] -> uint8
@@ -911,11 +872,9 @@ class ImageFolder:
             return np.zeros((0, *self.shape), np.uint8)
         return np.stack(list(self.pool.map(self._read_checked, paths)))  # (n, H, W, 3)
 
-
 # Datasets that a source may name: dit.py reads them (downloading them when missing), so that a
 # reference of real digits needs no folder of images.
 DATASETS = ("mnist", "cifar10")
-
 
 def load_images(source, count=None, data_dir=None):
     """A folder of images, an .npz of uint8 images (`arr_0`, as DiT's sample_ddp.py writes) or a
@@ -946,7 +905,6 @@ def load_images(source, count=None, data_dir=None):
                 f"(x * 255).round().clip(0, 255).astype(np.uint8)")
     return images[evenly_spaced(len(images), count)] if count else images
 
-
 def image_statistics(images, inception, batch_size=128, progress=True, protocol=DEFAULT_PROTOCOL):
     """InceptionFeatures.result() of a sequence of uint8 images (an array or an ImageFolder).
 
@@ -966,13 +924,11 @@ def image_statistics(images, inception, batch_size=128, progress=True, protocol=
             features.update(images[indices.start:indices.stop:world], bar)
     return features.result()
 
-
 #################################################################################
 #                        Evaluation entry point and CLI                         #
 #################################################################################
 
 IS_SPLIT_SIZE = 5000  # samples per part of the Inception Score in OpenAI's evaluator
-
 
 def scores(out, ref=None):
     """The five numbers of InceptionFeatures.result() `out` against a reference (load_reference's
@@ -1002,7 +958,6 @@ def scores(out, ref=None):
         result["precision"], result["recall"] = precision_recall(ref["pool"], out["pool"])
     return result
 
-
 def describe(result):
     """One line of the figures that `result` (scores()) has, each named with its sample count and
     protocol: "FID-10K (adm) 2.270, sFID-10K 4.60, IS-10K 278.2, Precision-10K 0.83, ..."."""
@@ -1012,7 +967,6 @@ def describe(result):
     figures = [f"{label}-{n} ({result['protocol']}) {result[key]:{spec}}"
                for key, label, spec in names if result[key] is not None]
     return ", ".join(figures) or f"no figures of {result['count']} images ({result['protocol']})"
-
 
 def evaluate(images, ref=None, inception=None, batch_size=128, progress=True, protocol=None):
     """The five numbers (scores()) of uint8 images (N, H, W, 3) against a reference, with the
@@ -1044,11 +998,9 @@ def evaluate(images, ref=None, inception=None, batch_size=128, progress=True, pr
     return {**scores(out, ref),
             **{key: out[key] for key in ("mu", "sigma", "mu_s", "sigma_s", "pool")}}
 
-
 def _is_statistics_file(source):
     return (source.endswith(".npz") and os.path.isfile(source)
             and len(dit.read_npz(source, ["mu", "sigma"])) == 2)
-
 
 def random_weights(build):
     """The module that `build` makes, with random values drawn on the host rather than by its
@@ -1066,7 +1018,6 @@ def random_weights(build):
         return jnp.asarray(kernel, leaf.dtype)
 
     return nnx.merge(graphdef, jax.tree.map(draw, state))
-
 
 def benchmark(batch_sizes, image_size=256, steps=5):
     """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not
@@ -1091,7 +1042,6 @@ def benchmark(batch_sizes, image_size=256, steps=5):
         jax.block_until_ready(outputs)
         rate = steps * per_device * devices / (time.perf_counter() - start)
         print(f"batch {per_device:5d} per device: {rate:9.1f} images/s")
-
 
 def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
     """`dit.py bench --fid N`: FID-N timed as `sample --fid N` computes it (dit.sample_and_score),
@@ -1131,10 +1081,8 @@ def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
           + f" | {args.fid / seconds['total']:.2f} images/s")
     return seconds
 
-
 def _positive_ints(text):
     return [dit.positive_int(part) for part in text.split(",")]
-
 
 def main(argv=None):
     parser = dit.OneLineParser(description="FID, sFID, Inception Score, Precision and Recall "
@@ -1248,7 +1196,6 @@ def main(argv=None):
         result = scores(out)
         say(f"Inception Score-{dit.count_label(out['count'])} ({protocol}): "
             f"{result['inception_score']:.4f} +- {result['inception_score_std']:.4f}")
-
 
 # As a script; pasted into a notebook cell (no __file__ there), it only defines its functions.
 if __name__ == "__main__" and "__file__" in globals():

@@ -57,7 +57,6 @@ from dit import image_files, load_image, load_vae, read_json, tqdm, write_atomic
 EXPECTED_IMAGES = {"train": 126_689, "val": 5_000}  # the Kaggle ambityga/imagenet100 release
 EXPECTED_CLASSES = 100
 
-
 #################################################################################
 #                           Finding and reading images                          #
 #################################################################################
@@ -108,7 +107,6 @@ def find_images(src, split, classes=None):
                         f"incomplete)")
     return classes, files, np.asarray(labels, np.int64), warnings
 
-
 def decoded_chunks(pool, src, files, chunks, size):
     """Yield (chunk, images (n, size, size, 3), reasons) in order, decoding the next chunk in the
     thread pool while the caller encodes the current one."""
@@ -120,7 +118,6 @@ def decoded_chunks(pool, src, files, chunks, size):
         pending = (c, futures)
     if pending is not None:
         yield collect(*pending, size)
-
 
 def collect(c, futures, size):
     """Wait for one chunk's decoding: (chunk, images with zeros for broken files, {index in chunk:
@@ -134,7 +131,6 @@ def collect(c, futures, size):
         else:
             reasons[j] = reason
     return c, images, reasons
-
 
 #################################################################################
 #                         Sharded encoding and features                         #
@@ -150,7 +146,6 @@ def sharded_apply(model, fn, batch_shape, data):
         state, jax.ShapeDtypeStruct(batch_shape, np.uint8, sharding=data)).compile()
     return functools.partial(compiled, state)
 
-
 def encode_with_flip(vae, images, precision=None):
     """uint8 (B, R, R, 3) -> float16 (B, 2, h, w, 2C): [image, horizontal flip] x [posterior mean,
     std]. A float32 VAE's products run at jax's matmul `precision` (None: float32's)."""
@@ -161,7 +156,6 @@ def encode_with_flip(vae, images, precision=None):
     out = jnp.concatenate([mean, jnp.exp(0.5 * logvar)], axis=-1)  # (2B, h, w, 2C)
     return out.reshape(*x.shape[:2], *out.shape[1:]).astype(jnp.float16)
 
-
 #################################################################################
 #                                   Main loop                                   #
 #################################################################################
@@ -169,7 +163,6 @@ def encode_with_flip(vae, images, precision=None):
 def write_json(path, obj):
     """Write atomically: a crash leaves either the old or the new file, never half of one."""
     write_atomically(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
-
 
 def is_manifest(m):
     """Whether `m` has what main and write_outputs use of an earlier run's manifest.json."""
@@ -183,7 +176,6 @@ def is_manifest(m):
             and (not m.get("complete")
                  or isinstance(counts, dict) and isinstance(counts.get("images"), int)))
 
-
 def open_partial(path, mode, dtype, shape):
     """A memory map of the rows being filled. One left by an interrupted run must be what this run
     would make, or the rows would land in the wrong places."""
@@ -196,7 +188,6 @@ def open_partial(path, mode, dtype, shape):
         raise dit.InputError(f"{path} from an interrupted run holds {array.dtype} {array.shape}, "
                              f"not {np.dtype(dtype)} {shape}; {fix}")
     return array
-
 
 def parse_args(argv):
     p = dit.OneLineParser(description=__doc__,
@@ -228,13 +219,11 @@ def parse_args(argv):
                    help="pytorch-fid Inception weights (default: fid.py's cache/download)")
     return p.parse_args(argv)
 
-
 def default_vae_precision(device):
     """jax's matmul precision that gives the stored float16 latents of float32's: "high" on TPUs,
     three bfloat16 passes per product, half the six of "highest". On NVIDIA GPUs "high" is TF32,
     as "default" is; both stray beyond float16's rounding, so they keep float32 ("highest")."""
     return "high" if device.platform == "tpu" else "highest"
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -322,7 +311,6 @@ def main(argv=None):
     print_summary(args, out, manifest)
     return manifest
 
-
 def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest, manifest_path):
     """Fill the partial arrays chunk by chunk: arrays[name] with pixels or latents,
     arrays["inception"] and arrays["adm"] with the features of both protocols. Each finished chunk
@@ -404,7 +392,6 @@ def encode_chunks(args, src, files, size, vae, inception, arrays, name, manifest
             "devices": len(devices), "device": devices[0].device_kind,
             "hosts": jax.process_count()}
 
-
 def write_outputs(out, name, files, labels, classes, names, arrays, manifest, manifest_path, run):
     """Copy the rows of the readable files into `<name>.npy`, write labels, classes, the FID
     statistics and the completed manifest."""
@@ -452,7 +439,6 @@ def write_outputs(out, name, files, labels, classes, names, arrays, manifest, ma
         timing={**run, "total_s": round(manifest["seconds"], 2)})
     write_json(manifest_path, manifest)
 
-
 def print_summary(args, out, manifest):
     for w in manifest["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
@@ -464,7 +450,6 @@ def print_summary(args, out, manifest):
         work += "" if args.no_fid else " + Inception"
         print(f"speed: {run['last_run_images_per_s']} images/s ({work}) on {run['devices']} x "
               f"{run['device']}, after {run['compile_s']} s of compilation")
-
 
 if __name__ == "__main__":
     dit.run_cli(main)

@@ -86,7 +86,6 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
-
 # Those processes run the harness (the loop, files, hosts, signals) and spend most of their time in
 # XLA's compiler: without LLVM's optimisations they compile in about half the time. Their numbers
 # then differ from optimised code's in the last bit, so they are compared with each other's, or
@@ -94,12 +93,10 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
 # this process, compiled as a user's code is.
 UNOPTIMISED = "--xla_backend_optimization_level=0"
 
-
 def process_env(devices):
     """The environment of a process that the tests start: `devices` CPU devices, unoptimised."""
     return {**os.environ, "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {UNOPTIMISED}"}
-
 
 @pytest.fixture(autouse=True)
 def compilation_cache_off():
@@ -109,7 +106,6 @@ def compilation_cache_off():
     if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
         dit.use_compile_cache("")
 
-
 def fixture(name):
     """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/. A missing file
     fails the test: a fresh clone holds every file the tests read."""
@@ -117,7 +113,6 @@ def fixture(name):
         if d and os.path.exists(os.path.join(d, name)):
             return os.path.join(d, name)
     pytest.fail(f"reference file {name!r} is in neither $DIT_FIXTURES nor fixtures/")
-
 
 def data(name):
     """Path of real images: under $DIT_DATA when it is set (the full sets), else under
@@ -127,22 +122,18 @@ def data(name):
         pytest.fail(f"real images {path} are missing")
     return path
 
-
 def rel_err(ours, ref):
     """|ours - ref| / |ref| with norms over the whole array, the measure the fixtures README
     uses."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
-
 def nhwc(a):
     """PyTorch's NCHW reference arrays -> our NHWC."""
     return jnp.asarray(np.asarray(a).transpose(0, 2, 3, 1))
 
-
 def nchw(a):
     return np.asarray(a).transpose(0, 3, 1, 2)
-
 
 class RunsCommand:
     """The payload of the hostile pickles below: unpickling it would run `touch marker`, so the
@@ -153,7 +144,6 @@ class RunsCommand:
 
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
-
 
 # Every run below trains this tiny model in a fresh process, so that the number of devices (set by
 # XLA_FLAGS before jax starts) and jax.distributed can differ between runs. It ends as
@@ -166,7 +156,6 @@ dit.DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)
 {patch}
 dit.run_cli(dit.main)
 """
-
 
 # Runs a command and writes its exit status and peak resident memory (KiB) to a file. The peak that
 # os.wait4 reports counts what the process the command was forked from held, so the command is
@@ -182,7 +171,6 @@ with open(sys.argv[1], "w") as f:
     f.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
 """
 
-
 def run_python(args, env, cwd=None):
     """(CompletedProcess, peak resident memory in KiB) of `python *args`, killed after 300 s."""
     with tempfile.TemporaryDirectory() as d:
@@ -193,7 +181,6 @@ def run_python(args, env, cwd=None):
             status, peak = map(int, f.read().split())
     return subprocess.CompletedProcess(args, status, proc.stdout, proc.stderr), peak
 
-
 def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(here=HERE, patch=patch))
@@ -203,7 +190,6 @@ def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
         raise AssertionError(f"dit.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-3000:]}")
     return proc
-
 
 @pytest.fixture(scope="module")
 def folder_data(tmp_path_factory):
@@ -221,24 +207,20 @@ def folder_data(tmp_path_factory):
             Image.fromarray(img).save(root / name / f"{i}.png")
     return str(root)
 
-
 def train_args(data_dir, run_dir, steps, extra=()):
     return ["--dataset", "folder", "--data-dir", data_dir, "--resolution", "8", "--size", "XS",
             "--patch", "2", "--batch-size", "8", "--steps", str(steps), "--log-every", "1",
             "--ckpt-every", "3", "--sample-every", "1000", "--sample-steps", "2", "--final-fid",
             "0", "--run-dir", str(run_dir), "--lr", "1e-3", "--ema-decay", "0.9", *extra]
 
-
 def final_state(run_dir):
     meta, arrays = dit.read_checkpoint(dit.list_checkpoints(run_dir)[-1])
     return meta, arrays
-
 
 def assert_states_close(a, b, rtol=2e-5, atol=2e-6):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
-
 
 @pytest.fixture(scope="module")
 def reference():
@@ -246,13 +228,11 @@ def reference():
     cfg = dit.DiTConfig(**json.loads(str(ref["config"])))
     return ref, cfg, dit.load_dit_checkpoint(fixture("dit_reference.pt"), cfg)
 
-
 #################################################################################
 #                                                                               #
 #                            dit.py, PART I: THE CORE                           #
 #                                                                               #
 #################################################################################
-
 
 def module_names_read(statement):
     """The names that a top-level statement reads from the module's namespace, in its own scope
@@ -262,7 +242,6 @@ def module_names_read(statement):
                  and (table.get_type() == "module" or symbol.is_global())}
         return names.union(*map(read, table.get_children()))
     return read(symtable.symtable(ast.unparse(statement), "dit.py", "exec"))
-
 
 def test_the_paper_and_what_lies_beyond_it_use_no_later_name():
     """Part I (from the start to the "PART II" banner) and Part II (to the "PART III" banner) each
@@ -291,11 +270,9 @@ def test_the_paper_and_what_lies_beyond_it_use_no_later_name():
     assert len(defined) > 200 and ends["Part I"] < ends["Part II"]
     assert not later, "names defined after the part that reads them: " + "; ".join(later)
 
-
 #################################################################################
 #                                1. Configuration                               #
 #################################################################################
-
 
 @slow
 def test_parameter_counts_equal_the_official_ones():
@@ -306,7 +283,6 @@ def test_parameter_counts_equal_the_official_ones():
         model = nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0)))
         T = cfg.grid ** 2
         assert dit.count_params(model) + T * cfg.hidden_size == official, size
-
 
 @slow
 def test_dit_plus_stays_within_the_course_budget():
@@ -327,7 +303,6 @@ def test_dit_plus_stays_within_the_course_budget():
     assert total(rms_norm=True) == total(rope=True) == official
     assert total(**dit.ARCHS["dit+"]) <= 33_000_000
 
-
 @slow
 def test_any_input_size_channels_and_unconditional():
     cfg = dit.DiTConfig(input_size=12, patch_size=4, in_channels=1, hidden_size=32, depth=1,
@@ -339,14 +314,12 @@ def test_any_input_size_channels_and_unconditional():
     with pytest.raises(dit.InputError, match="does not divide the input size 10"):
         dit.DiTConfig(input_size=10, patch_size=4)
 
-
 def test_versions_older_than_the_minimum_are_named():
     dit.check_versions({"jax": "0.12.0.1", "flax": "0.12.0", "optax": "0.2.5"})  # the minimums pass
     dit.check_versions({"jax": "0.13.0.dev20260101"})  # as do pre-releases of later versions
     with pytest.raises(dit.InputError, match=r"found optax 0\.2\.4; .* pip install -U "
                                              r"'optax>=0\.2\.5', then restart"):
         dit.check_versions({"jax": "0.10.2", "optax": "0.2.4"})
-
 
 # A notebook image with flax 0.10.7 and jax 0.6.2 (a clean venv of them fails in dit.py on
 # nnx.List); the import sees those versions, which `python -c` of this text sets before it. Its
@@ -365,7 +338,6 @@ else:
     runpy.run_path(sys.argv[1], run_name="__main__")
 """
 
-
 @slow
 def test_old_releases_end_in_one_line():
     """As a script, dit.py, fid.py (which imports dit) and prepare_imagenet100.py end in one line
@@ -383,18 +355,15 @@ def test_old_releases_end_in_one_line():
     proc = subprocess.run([*driver, "import"], env=env, capture_output=True, text=True)
     assert proc.stdout.startswith("InputError found jax 0.6.2, flax 0.10.7;"), proc.stderr
 
-
 #################################################################################
 #                                 2. Embeddings                                 #
 #################################################################################
-
 
 def test_position_table_is_the_official_one(reference):
     ref, cfg, _ = reference
     state = dit.load_torch(fixture("dit_reference.pt"))
     np.testing.assert_allclose(dit.sincos_pos_embed_2d(cfg.hidden_size, cfg.grid),
                                state["pos_embed"][0], atol=1e-6)
-
 
 def test_label_dropout_uses_the_null_label(reference):
     _, cfg, model = reference
@@ -407,11 +376,9 @@ def test_label_dropout_uses_the_null_label(reference):
     np.testing.assert_array_equal(np.asarray(model.y_embedder(y)),
                                   np.asarray(model.y_embedder.embedding_table(y)))
 
-
 #################################################################################
 #                                3. The DiT model                               #
 #################################################################################
-
 
 @slow
 def test_model_output_matches_official(reference):
@@ -419,14 +386,12 @@ def test_model_output_matches_official(reference):
     out = model(nhwc(ref["x"]), jnp.asarray(ref["t"]), jnp.asarray(ref["y"]))
     assert rel_err(nchw(out), ref["out"]) < 1e-5
 
-
 def test_cfg_forward_matches_official(reference):
     ref, _, model = reference
     out = model.forward_with_cfg(nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]),
                                  jnp.asarray(ref["cfg_y"]), float(ref["cfg_scale"]),
                                  guidance_channels=3)
     assert rel_err(nchw(out), ref["cfg_out"]) < 1e-5
-
 
 def test_cfg_all_channels_and_interval(reference):
     """Guidance on all channels changes the noise channels past the third and never the variance;
@@ -447,7 +412,6 @@ def test_cfg_all_channels_and_interval(reference):
     np.testing.assert_allclose(outside[:B], cond[:B], rtol=1e-6, atol=1e-6)
     inside = np.asarray(model.forward_with_cfg(x, t, y, 4.0, interval=(lo, hi)))
     np.testing.assert_allclose(inside, every, rtol=1e-6, atol=1e-6)
-
 
 @slow
 def test_official_initialisation():
@@ -470,7 +434,6 @@ def test_official_initialisation():
     assert (np.abs(patch).max() <= np.sqrt(6 / (16 + 64))
             and np.abs(patch).max() > 0.8 * np.sqrt(6 / (16 + 64)))
     assert model.y_embedder.embedding_table.embedding[...].shape == (11, 64)  # the extra null label
-
 
 @slow
 def test_remat_and_16_bit_floats_match_fp32(reference):
@@ -495,7 +458,6 @@ def test_remat_and_16_bit_floats_match_fp32(reference):
     if jax.default_backend() == "gpu":
         assert float(value_and_grad(dtype=jnp.float16)[0]) == pytest.approx(float(l0), rel=4e-3)
 
-
 def test_rms_norm_and_swiglu_compute_their_formulas():
     x = np.random.default_rng(0).normal(3.0, 2.0, (2, 5, 8)).astype(np.float32)
     expected = x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + 1e-6)
@@ -506,7 +468,6 @@ def test_rms_norm_and_swiglu_compute_their_formulas():
     w3, b3 = np.asarray(mlp.w3.kernel[...]), np.asarray(mlp.w3.bias[...])
     by_hand = (a / (1 + np.exp(-a)) * b) @ w3 + b3
     np.testing.assert_allclose(mlp(jnp.asarray(x)), by_hand, rtol=1e-5, atol=1e-6)
-
 
 def test_rope_depends_on_relative_positions_only():
     """RoPE rotates queries and keys by their patch's position, so that q . k depends only on the
@@ -530,7 +491,6 @@ def test_rope_depends_on_relative_positions_only():
     assert abs(rq[pos(0, 0)] @ rk[pos(0, 1)] - rq[pos(0, 0)] @ rk[pos(0, 2)]) > 1e-3
     assert abs(rq[pos(0, 0)] @ rk[pos(1, 0)] - rq[pos(0, 0)] @ rk[pos(2, 0)]) > 1e-3
 
-
 @slow
 def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
     attn = dit.DiTPlusAttention(32, 4, qk_norm=True, rope_grid=None, dtype=jnp.float32,
@@ -543,7 +503,6 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
         layer.qkv.kernel[...] = w.at[:, :64].multiply(20.0)  # queries and keys 20 times larger
         assert np.allclose(layer(x), out, rtol=1e-4, atol=1e-5) == invariant
         layer.qkv.kernel[...] = w
-
 
 def test_validation_losses_leave_the_padding_out():
     """The losses of n held-out samples padded to a longer batch are those of the n alone: the
@@ -559,7 +518,6 @@ def test_validation_losses_leave_the_padding_out():
     padded = losses(jnp.concatenate([x, padding]), jnp.concatenate([y, y[:3]]), 5)
     assert alone.shape == padded.shape == (len(dit.VAL_TIMES), 5)
     np.testing.assert_allclose(padded, alone, rtol=1e-6)
-
 
 @slow
 def test_dit_plus_trains_and_each_switch_changes_the_model():
@@ -596,7 +554,6 @@ def test_dit_plus_trains_and_each_switch_changes_the_model():
         changed = output(**{switch: True})
         assert not np.allclose(changed, plain, rtol=1e-3, atol=1e-3), switch
 
-
 def test_attention_implementation_is_chosen_by_device_and_dtype():
     def gpu(capability):
         return types.SimpleNamespace(platform="gpu", compute_capability=capability)
@@ -607,7 +564,6 @@ def test_attention_implementation_is_chosen_by_device_and_dtype():
     assert choose(jnp.bfloat16, 256, gpu("9.0")) == choose(jnp.bfloat16, 60, gpu("9.0")) == "xla"
     assert choose(jnp.bfloat16, 64, types.SimpleNamespace(platform="tpu")) == "xla"
     assert choose(jnp.bfloat16, 64, types.SimpleNamespace(platform="cpu")) == "xla"
-
 
 def test_attention_computes_softmax_attention():
     """What runs on this machine against the formula. On a CPU that is XLA's attention, the
@@ -622,7 +578,6 @@ def test_attention_computes_softmax_attention():
     out = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(2, 6, 32)
     np.testing.assert_allclose(attn(x), attn.proj(jnp.asarray(out)), rtol=1e-4, atol=1e-5)
 
-
 @pytest.mark.skipif(dit.attention_implementation(jnp.bfloat16, 64) != "cudnn",
                     reason="cuDNN's fused attention needs an NVIDIA GPU from Ampere on")
 def test_cudnn_attention_matches_xla():
@@ -630,7 +585,6 @@ def test_cudnn_attention_matches_xla():
     fused = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     plain = jax.nn.dot_product_attention(q, k, v, implementation="xla")
     assert rel_err(np.asarray(fused, np.float32), np.asarray(plain, np.float32)) < 1e-2
-
 
 @slow
 def test_float32_means_float32_matrix_products():
@@ -660,8 +614,6 @@ def test_float32_means_float32_matrix_products():
     assert len(full) > 20 and all(p == highest for p in full)
     assert not any(p == highest for p in precisions(jnp.bfloat16))
 
-
-
 @slow
 def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     """The memory remat saves: the residuals jax.vjp holds for the backward pass (the leaves of the
@@ -687,7 +639,6 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     assert 9 * cfg.depth * block_input < residual_bytes("dots") < 12 * cfg.depth * block_input
     assert residual_bytes("full") < 3 * cfg.depth * block_input
 
-
 def test_jit_compiled_model_matches_official(reference):
     ref, _, model = reference
     scale = float(ref["cfg_scale"])
@@ -695,11 +646,9 @@ def test_jit_compiled_model_matches_official(reference):
     out = f(model, nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]), jnp.asarray(ref["cfg_y"]))
     assert rel_err(nchw(out), ref["cfg_out"]) < 1e-5
 
-
 #################################################################################
 #                                    4. DDPM                                    #
 #################################################################################
-
 
 # Data x0 ~ N(M, S^2) in every dimension. Every noised variable below is a linear mix of x0 and an
 # independent eps ~ N(0, 1), so (x0, eps, x_t) are jointly Gaussian and the ideal network outputs,
@@ -709,15 +658,11 @@ def test_jit_compiled_model_matches_official(reference):
 # sample-by-sample target free of Monte-Carlo error.
 M, S = 1.5, 0.5
 
-
 N = 20000
-
 
 MEAN_TOL = 5 * S / np.sqrt(N)                 # 5 standard errors of a sample mean
 
-
 VAR_TOL = 5 * S ** 2 * np.sqrt(2 / N)         # 5 standard errors of a sample variance
-
 
 def rf_exact_velocity(x, t1000, m=M, s=S):
     """E[eps - x0 | x_t] for x_t = (1 - t) x0 + t eps; the network is given 1000 t."""
@@ -727,11 +672,9 @@ def rf_exact_velocity(x, t1000, m=M, s=S):
     cov_t = t - (1 - t) * s ** 2                      # Cov(eps - x0, x_t)
     return -m + cov_t / var_t * (x - mean_t)
 
-
 def ddpm_alphas_cumprod():
     """alpha-bar of Ho et al.'s linear schedule, beta from 1e-4 to 0.02 over 1000 steps."""
     return np.cumprod(1.0 - np.linspace(1e-4, 0.02, 1000))
-
 
 def ddpm_exact_model(var_value):
     """E[eps | x_t] for x_t = sqrt(abar) x0 + sqrt(1 - abar) eps, abar looked up at the ORIGINAL
@@ -746,16 +689,13 @@ def ddpm_exact_model(var_value):
         return jnp.concatenate([eps, jnp.full_like(eps, var_value)], axis=-1)
     return model_fn
 
-
 @pytest.fixture(scope="module")
 def gaussian_noise():
     z = jax.random.normal(jax.random.PRNGKey(0), (N, 1, 1, 1))
     return z, M + S * z  # noise, and where the exact flow takes it
 
-
 def moment_error(x, target):
     return abs(float(x.mean() - target.mean())) + abs(float(x.var() - target.var()))
-
 
 def test_space_timesteps_examples():
     # the DDIM striding: every k-th step from 0
@@ -776,7 +716,6 @@ def test_space_timesteps_examples():
     with pytest.raises(ValueError, match="'ddimN'"):
         space_timesteps(1000, "fast")
 
-
 @pytest.mark.parametrize("respacing", ["", "250", "ddim25", "10,15,20"])
 def test_respaced_chain_keeps_alpha_bar(respacing):
     """Respacing keeps alpha-bar at the kept steps (Nichol & Dhariwal 2021, section 4)."""
@@ -784,7 +723,6 @@ def test_respaced_chain_keeps_alpha_bar(respacing):
     kept = ddpm_alphas_cumprod()[diffusion.timestep_map]
     assert diffusion.num_timesteps == len(diffusion.timestep_map)
     np.testing.assert_allclose(diffusion.alphas_cumprod, kept, rtol=1e-12)
-
 
 @slow
 def test_p_mean_variance_mathematics():
@@ -812,7 +750,6 @@ def test_p_mean_variance_mathematics():
     mean = np.sqrt(abp) * bt / (1 - abt) * x0 + np.sqrt(1 - bt) * (1 - abp) / (1 - abt) * x_t
     np.testing.assert_allclose(out["mean"], mean, atol=2e-4)
 
-
 @slow
 def test_vb_trains_only_the_variance():
     """The stop-gradient on the mean: d vb / d eps = 0 and d mse / d variance = 0 (official
@@ -830,7 +767,6 @@ def test_vb_trains_only_the_variance():
     assert grad_vb[0] == 0 and grad_vb[1] != 0
     assert grad_mse[1] == 0 and grad_mse[0] != 0
 
-
 def test_ddim_recovers_gaussian_and_converges(gaussian_noise):
     z, target = gaussian_noise
     model_fn = ddpm_exact_model(0.0)
@@ -843,7 +779,6 @@ def test_ddim_recovers_gaussian_and_converges(gaussian_noise):
     assert rms[-1] < 0.02
     assert abs(float(x.mean()) - M) < MEAN_TOL
 
-
 @pytest.mark.parametrize("var_value", [-1.0, 1.0])
 def test_ddpm_ancestral_recovers_gaussian(gaussian_noise, var_value):
     """With 1000 steps both ends of the learned variance range give the data distribution."""
@@ -854,7 +789,6 @@ def test_ddpm_ancestral_recovers_gaussian(gaussian_noise, var_value):
     np.testing.assert_array_equal(traj[-1], x)
     assert abs(float(x.mean()) - M) < MEAN_TOL
     assert abs(float(x.var()) - S ** 2) < 2 * VAR_TOL
-
 
 def test_ddpm_rejects_bad_input():
     diffusion = GaussianDiffusion("10")
@@ -870,21 +804,17 @@ def test_ddpm_rejects_bad_input():
     with pytest.raises(ValueError, match="positive int"):
         diffusion.sample(ddpm_exact_model(0.0), x, None, 0, "ddim")
 
-
 @pytest.fixture(scope="module")
 def ref(reference):
     return reference[0]
-
 
 @pytest.fixture(scope="module")
 def model(reference):
     return reference[2]
 
-
 def test_ddpm_betas(ref):
     betas = GaussianDiffusion("", len(ref["ddpm_betas"])).betas
     assert rel_err(betas, ref["ddpm_betas"]) < 1e-12
-
 
 def test_ddpm_loss_terms(ref, model):
     y = jnp.asarray(ref["loss_y"])
@@ -892,7 +822,6 @@ def test_ddpm_loss_terms(ref, model):
                                            jnp.asarray(ref["loss_t"]), nhwc(ref["loss_noise"]))
     for ours, theirs in (("mse", "loss_mse"), ("vb", "loss_vb"), ("loss", "loss_total")):
         assert rel_err(losses[ours], ref[theirs]) < 1e-5, ours
-
 
 def test_p_mean_variance_250(ref, model):
     diffusion = GaussianDiffusion("250")
@@ -904,7 +833,6 @@ def test_p_mean_variance_250(ref, model):
     for name in ("mean", "log_variance", "pred_xstart"):
         assert rel_err(nchw(p[name]), ref[f"p250_{name}"]) < 1e-5, name
 
-
 def test_ddim25_with_cfg(ref, model):
     diffusion = GaussianDiffusion("ddim25")
     np.testing.assert_array_equal(diffusion.timestep_map, ref["ddim25_timestep_map"])
@@ -914,11 +842,9 @@ def test_ddim25_with_cfg(ref, model):
     x = GaussianDiffusion().sample(model_fn, nhwc(ref["ddim25_noise"]), None, 25, "ddim")
     assert rel_err(nchw(x), ref["ddim25_out"]) < 1e-4
 
-
 #################################################################################
 #                               5. Rectified flow                               #
 #################################################################################
-
 
 def test_rf_euler_recovers_gaussian_and_converges(gaussian_noise):
     z, target = gaussian_noise
@@ -933,7 +859,6 @@ def test_rf_euler_recovers_gaussian_and_converges(gaussian_noise):
     # Euler's remaining bias at 128 steps is ~0.003
     assert abs(float(x.var()) - S ** 2) < VAR_TOL + 0.005
 
-
 def test_rf_heun_beats_euler_and_converges(gaussian_noise):
     z, target = gaussian_noise
     rf = RectifiedFlow()
@@ -947,7 +872,6 @@ def test_rf_heun_beats_euler_and_converges(gaussian_noise):
     assert abs(float(x.mean()) - M) < MEAN_TOL
     assert abs(float(x.var()) - S ** 2) < VAR_TOL
 
-
 def test_rf_trajectory(gaussian_noise):
     z = gaussian_noise[0][:8]
     x, traj = RectifiedFlow().sample(rf_exact_velocity, z, None, 5, "heun",
@@ -955,7 +879,6 @@ def test_rf_trajectory(gaussian_noise):
     assert traj.shape == (6,) + z.shape
     np.testing.assert_array_equal(traj[0], z)
     np.testing.assert_array_equal(traj[-1], x)
-
 
 @pytest.mark.parametrize("sampling,loc,scale", [("logit_normal", 0.0, 1.0), ("uniform", 0.0, 1.0)])
 @slow
@@ -983,7 +906,6 @@ def test_rf_loss_of_exact_field(sampling, loc, scale):
                                      x0, key)["loss"].mean())
     assert wrong > loss + 0.05
 
-
 def test_rf_timestep_distributions():
     n = 20000
     loc, scale = 0.5, 1.2
@@ -997,7 +919,6 @@ def test_rf_timestep_distributions():
     assert abs(logit.std() - scale) < 0.05 * scale
     u = np.asarray(RectifiedFlow("uniform").sample_timesteps(jax.random.PRNGKey(4), n))
     assert np.all((u >= 0) & (u < 1)) and abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
-
 
 def test_rf_rejects_bad_input():
     rf = RectifiedFlow()
@@ -1013,7 +934,6 @@ def test_rf_rejects_bad_input():
         rf.sample(rf_exact_velocity, x, None, 0)
     with pytest.raises(ValueError, match="timestep_sampling"):
         RectifiedFlow("cosine")
-
 
 def edm_exact_model(edm, m=M, s=S):
     """The network F that makes EDM's denoiser the exact one of Gaussian data N(m, s^2),
@@ -1031,7 +951,6 @@ def edm_exact_model(edm, m=M, s=S):
         c_out = sigma * sd / jnp.sqrt(sigma ** 2 + sd ** 2)
         return (exact - c_skip * x) / c_out
     return model_fn
-
 
 @slow
 def test_edm_loss_of_the_exact_denoiser():
@@ -1062,7 +981,6 @@ def test_edm_loss_of_the_exact_denoiser():
     wrong = float(edm.training_losses(edm_exact_model(edm, m=M + 0.3), x0, key)["loss"].mean())
     assert wrong > loss + 0.05
 
-
 def test_edm_heun_recovers_gaussian_and_beats_euler(gaussian_noise):
     """Sampling with the exact denoiser carries SIGMA_MAX * noise to the data: the probability-flow
     ODE over the rho = 7 schedule, where Heun's corrections converge faster than Euler's steps."""
@@ -1083,7 +1001,6 @@ def test_edm_heun_recovers_gaussian_and_beats_euler(gaussian_noise):
     np.testing.assert_array_equal(traj[0], z[:8])
     np.testing.assert_array_equal(traj[-1], x)
 
-
 def test_masked_losses_count_the_masked_elements_only():
     """A mask of 0s and 1s restricts each objective's per-sample loss to its elements: the loss
     of a half-masked batch is the loss of the kept half; mask None is the whole loss."""
@@ -1103,7 +1020,6 @@ def test_masked_losses_count_the_masked_elements_only():
         np.testing.assert_array_equal(objective.losses_at(model_fn, x0, t, noise, None)["loss"],
                                       whole)
 
-
 def test_objectives_are_rebuilt_from_their_records_only():
     """A checkpoint records an objective's name and SETTINGS; make_objective rebuilds it from those
     alone, so that a record claiming other arguments (a chain of 10**12 steps) cannot make it
@@ -1115,7 +1031,6 @@ def test_objectives_are_rebuilt_from_their_records_only():
     assert dit.make_objective("ddpm", num_timesteps=10 ** 12).num_timesteps == 1000
     with pytest.raises(dit.InputError, match="unknown objective 'vdm'"):
         dit.make_objective("vdm")
-
 
 @slow
 def test_edm_trains_resumes_and_samples(tmp_path, folder_data):
@@ -1134,11 +1049,9 @@ def test_edm_trains_resumes_and_samples(tmp_path, folder_data):
                        str(tmp_path / "edm.png")])
     assert Image.open(tmp_path / "edm.png").size[0] > 8
 
-
 #################################################################################
 #                              6. The training step                             #
 #################################################################################
-
 
 def test_optimizer_recipe_warmup_and_clipping():
     """AdamW at a constant rate by default; linear warm-up from 0; clipping bounds the global
@@ -1177,7 +1090,6 @@ def test_optimizer_recipe_warmup_and_clipping():
         ref, s_ref = reference.update(g, s_ref, params)
     np.testing.assert_allclose(ours["w"], ref["w"], rtol=1e-6)
 
-
 def test_loss_scaling_skips_overflows_and_adapts():
     """float16 training: a step whose gradients overflowed keeps the old weights, EMA and moments
     and halves the scale; `period` good steps in a row double it. The step count goes on."""
@@ -1202,7 +1114,6 @@ def test_loss_scaling_skips_overflows_and_adapts():
     for dtype, scaled in [(jnp.float16, True), (jnp.bfloat16, False), (jnp.float32, False)]:
         assert ("loss_scale" in dit.loss_scale_state(dtype)) == scaled, dtype
 
-
 @slow
 def test_ema_warms_up():
     """With ema_warmup the EMA's decay is min(ema_decay, (1 + step) / (10 + step)); without, the
@@ -1221,7 +1132,6 @@ def test_ema_warms_up():
                                ema, state["params"])
             for a, b in zip(jax.tree.leaves(state["ema"]), jax.tree.leaves(ema)):
                 np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-
 
 @slow
 def test_training_loss_is_logged_by_noise_level():
@@ -1243,11 +1153,9 @@ def test_training_loss_is_logged_by_noise_level():
     np.testing.assert_array_equal(metrics["count_by_t"], [3, 2, 2, 1])
     np.testing.assert_array_equal(metrics["loss_by_t"], [0 + 1 + 7, 2 + 6, 3 + 5, 4])
 
-
 #################################################################################
 #                                  7. Sampling                                  #
 #################################################################################
-
 
 @slow
 def test_samplers_run_every_architecture_and_remat_policy():
@@ -1271,7 +1179,6 @@ def test_samplers_run_every_architecture_and_remat_policy():
     for other in samples[1:]:
         np.testing.assert_allclose(other, samples[0], rtol=1e-5, atol=1e-5)
 
-
 @slow
 def test_sampling_errors_are_clear(tmp_path):
     cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=1, hidden_size=16, depth=1,
@@ -1292,18 +1199,15 @@ def test_sampling_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="dit.py export"):
         dit.load_model(str(foreign))
 
-
 #################################################################################
 #                                                                               #
 #            dit.py, PARTS II AND III: BEYOND THE PAPER, THE HARNESS            #
 #                                                                               #
 #################################################################################
 
-
 #################################################################################
 #                                Deferred masking                               #
 #################################################################################
-
 
 def masking_model(arch, depth=2):
     """A small DiTPlus of the architecture (RoPE on under DiT+) with random weights everywhere,
@@ -1316,7 +1220,6 @@ def masking_model(arch, depth=2):
     params = jax.tree.map(lambda p: jnp.asarray(0.3 * rng.standard_normal(p.shape, np.float32)),
                           params)
     return nnx.merge(graphdef, params)
-
 
 @pytest.mark.parametrize("arch", [pytest.param("dit", marks=slow), "dit+"])
 def test_deferred_masking_on_every_patch_in_any_order_is_the_model(arch):
@@ -1332,14 +1235,12 @@ def test_deferred_masking_on_every_patch_in_any_order_is_the_model(arch):
     np.testing.assert_allclose(masked, model(x, t, y), rtol=1e-5, atol=1e-5)
     assert dit.kept_patches.get() is None  # the model called after it sees the whole grid
 
-
 class LossRecorder:
     """An objective that keeps the model function and the mask that training_losses is given."""
 
     def training_losses(self, model_fn, x0, key, mask=None):
         self.model_fn, self.mask = model_fn, mask
         return {}
-
 
 @slow
 def test_deferred_masking_predicts_the_kept_patches_from_what_the_mixer_saw():
@@ -1375,11 +1276,9 @@ def test_deferred_masking_predicts_the_kept_patches_from_what_the_mixer_saw():
     np.testing.assert_array_equal(mask0, mask)
     np.testing.assert_allclose(fn(x2, t), fn(x, t), rtol=1e-5, atol=1e-6)
 
-
 #################################################################################
 #                                8. Weight files                                #
 #################################################################################
-
 
 def test_config_is_inferred_from_official_sizes(reference):
     """Every field but the heads follows from the shapes of a state dict; the heads from the
@@ -1396,7 +1295,6 @@ def test_config_is_inferred_from_official_sizes(reference):
     with pytest.raises(ValueError, match="pass a DiTConfig"):
         dit.infer_dit_config({**state, "x_embedder.proj.weight": np.zeros((unofficial, C, p, p))})
 
-
 def test_wrong_size_checkpoint_is_refused(reference):
     _, cfg, _ = reference
     with pytest.raises(ValueError, match="another model size"):
@@ -1405,7 +1303,6 @@ def test_wrong_size_checkpoint_is_refused(reference):
     with pytest.raises(ValueError, match="missing keys .* another model size"):
         dit.load_dit_checkpoint(fixture("dit_reference.pt"),
                                 dataclasses.replace(cfg, depth=cfg.depth + 1))
-
 
 def test_checkpoint_loader_refuses_code(tmp_path):
     """A .pt whose pickle would call os.system is refused by name, and the command never runs."""
@@ -1417,7 +1314,6 @@ def test_checkpoint_loader_refuses_code(tmp_path):
     with pytest.raises(UnsafePickleError, match="system"):
         dit.load_dit_checkpoint(str(path))
     assert not marker.exists()
-
 
 def test_safetensors_dtypes_and_truncation(tmp_path):
     """Hand-built file: the header layout of the safetensors spec, F16/BF16/I64 data; truncation ->
@@ -1455,11 +1351,9 @@ def test_safetensors_dtypes_and_truncation(tmp_path):
     with pytest.raises(ValueError, match="incomplete"):
         load_vae(str(tmp_path))
 
-
 #################################################################################
 #                               9. The autoencoder                              #
 #################################################################################
-
 
 @slow
 def test_vae_matches_diffusers():
@@ -1473,7 +1367,6 @@ def test_vae_matches_diffusers():
     assert rel_err(mean, nhwc(ref["mean"])) < 1e-5
     assert rel_err(logvar, nhwc(ref["logvar"])) < 1e-5
     assert rel_err(vae.decode(nhwc(ref["mean"])), nhwc(ref["decoded"])) < 1e-5
-
 
 def products(fn, *args):
     """(name, precision, input dtype) of every dot_general and conv_general_dilated that fn(*args)
@@ -1492,10 +1385,8 @@ def products(fn, *args):
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
 
-
 def convs_and_linears(module):
     return [type(m) for _, m in nnx.iter_graph(module) if isinstance(m, (nnx.Conv, nnx.Linear))]
-
 
 def test_float32_vae_multiplies_in_float32_on_every_backend():
     """A float32 VAE asks XLA for HIGHEST precision in every product (else TF32 on NVIDIA GPUs,
@@ -1518,7 +1409,6 @@ def test_float32_vae_multiplies_in_float32_on_every_backend():
         else:
             assert all(p is None and t == jnp.bfloat16 for _, p, t in decode + encode), decode
 
-
 @slow
 def test_bfloat16_vae_decodes_close_to_float32():
     ref = np.load(fixture("vae_reference.npz"))
@@ -1528,7 +1418,6 @@ def test_bfloat16_vae_decodes_close_to_float32():
     assert half.dtype == jnp.float32  # the outputs stay float32
     # measured 2.0e-2 on this random-weight VAE; bfloat16 keeps 8 bits of mantissa
     assert 1e-3 < rel_err(half, exact) < 5e-2
-
 
 @slow
 def test_vae_full_size_keys_and_shapes():
@@ -1545,7 +1434,6 @@ def test_vae_full_size_keys_and_shapes():
     n_params = sum(int(np.prod(v.shape)) for _, v in nnx.iter_graph(vae)
                    if isinstance(v, nnx.Param))
     assert n_params == sum(int(np.prod(s)) for s in ref.values())
-
 
 def test_vae_old_attention_names_load():
     """Older checkpoints name the attention query/key/value/proj_attn and may store them as 1x1
@@ -1566,7 +1454,6 @@ def test_vae_old_attention_names_load():
     ref = np.load(fixture("vae_reference.npz"))
     assert rel_err(vae.encode(nhwc(ref["x"]))[0], nhwc(ref["mean"])) < 1e-5
 
-
 def test_vae_key_mismatch_is_named():
     folder = fixture("vae_reference")
     tensors, _ = read_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
@@ -1576,7 +1463,6 @@ def test_vae_key_mismatch_is_named():
              r"unexpected keys 1 \['encoder\.extra\.weight'\]")
     with pytest.raises(ValueError, match=named):
         load_vae_weights(nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0))), tensors)
-
 
 def test_load_vae_bad_sources(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError,
@@ -1591,7 +1477,6 @@ def test_load_vae_bad_sources(tmp_path, monkeypatch):
     with pytest.raises(dit.InputError, match="by hand into"):
         load_vae("ema", cache_dir=str(tmp_path / "cache"))
     assert not any(".tmp" in p.name or p.is_file() for p in (tmp_path / "cache").rglob("*"))
-
 
 def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
     """"ema" fetches config.json and the safetensors file once (here served from the fixture), then
@@ -1615,7 +1500,6 @@ def test_load_vae_ema_downloads_into_cache(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "sd-vae-ft-ema")) == ["config.json",
                                                               "diffusion_pytorch_model.safetensors"]
 
-
 def test_load_vae_bin_goes_through_torch_reader(tmp_path):
     """A .bin state dict is read with dit.load_torch; one of the wrong model (DiT's) is refused by
     key names."""
@@ -1624,7 +1508,6 @@ def test_load_vae_bin_goes_through_torch_reader(tmp_path):
     named = r"missing keys \d+ \['decoder\.conv_in\.bias'.*unexpected keys \d+ \['blocks\.0\."
     with pytest.raises(ValueError, match=named):
         load_vae(str(tmp_path))
-
 
 def test_vae_config_from_json(tmp_path):
     cfg = VAEConfig.from_json(os.path.join(fixture("vae_reference"), "config.json"))
@@ -1638,17 +1521,14 @@ def test_vae_config_from_json(tmp_path):
     with pytest.raises(ValueError, match="up_block_types"):
         VAEConfig.from_json(str(tmp_path / "c.json"))
 
-
 def test_vae_rejects_nchw():
     vae = load_vae(fixture("vae_reference"))
     with pytest.raises(ValueError, match="NHWC"):
         vae.encode(np.zeros((1, 3, 16, 16), np.float32))
 
-
 #################################################################################
 #                                    10. Data                                   #
 #################################################################################
-
 
 def write_idx(path, arr, gz=False):
     """An IDX file as the format's description defines it: 00 00, type code, ndim, big-endian dims,
@@ -1658,7 +1538,6 @@ def write_idx(path, arr, gz=False):
     raw += arr.astype(arr.dtype.newbyteorder(">")).tobytes()
     with open(path, "wb") as f:
         f.write(gzip.compress(raw) if gz else raw)
-
 
 def test_mnist_real_test_digits(capsys):
     ds = load_dataset("mnist", data("mnist"))
@@ -1672,7 +1551,6 @@ def test_mnist_real_test_digits(capsys):
                                                    1009]
     assert ds.num_classes == 10 and ds.class_names == [str(d) for d in range(10)]
     assert ds.x.max() == 255 and ds.x.min() == 0
-
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_mnist_synthetic_idx(tmp_path, gz):
@@ -1689,7 +1567,6 @@ def test_mnist_synthetic_idx(tmp_path, gz):
     ints = np.array([[1, -2], [70000, 3]], np.int32)
     write_idx(tmp_path / "ints.idx", ints, gz)
     np.testing.assert_array_equal(read_idx(str(tmp_path / "ints.idx")), ints)
-
 
 def test_idx_malformed(tmp_path):
     good = np.zeros((3, 4, 4), np.uint8)
@@ -1714,7 +1591,6 @@ def test_idx_malformed(tmp_path):
     with pytest.raises(ValueError, match="28x28"):
         load_dataset("mnist", str(tmp_path), resolution=32)
 
-
 def test_mnist_offline_says_what_to_put_where(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
@@ -1724,10 +1600,8 @@ def test_mnist_offline_says_what_to_put_where(tmp_path, monkeypatch):
     assert str(tmp_path / "mnist") in str(info.value)
     assert not any(".tmp" in p.name for p in (tmp_path / "mnist").iterdir())
 
-
 class FakeResponse(io.BytesIO):
     headers = {}
-
 
 def test_download_verifies_checksum(tmp_path, monkeypatch):
     payload = os.urandom(3000)
@@ -1741,7 +1615,6 @@ def test_download_verifies_checksum(tmp_path, monkeypatch):
         dit.download("https://example.invalid/file.bin", str(bad), "0" * 32, "md5")
     # neither the file nor a partial one is left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
-
 
 class Py2Pickler(pickle._Pickler):
     """Writes pickles as Python 2's cPickle wrote CIFAR-10's: every string is a byte string
@@ -1768,15 +1641,12 @@ class Py2Pickler(pickle._Pickler):
     dispatch[str] = save_py2_string
     dispatch[types.BuiltinFunctionType] = save_builtin
 
-
 def py2_pickle(obj):
     f = io.BytesIO()
     Py2Pickler(f, protocol=2).dump(obj)
     return f.getvalue()
 
-
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-
 
 def cifar_files(n=3, seed=0):
     """Five tiny training batches and batches.meta in the official layout, and the NHWC images they
@@ -1800,14 +1670,12 @@ def cifar_files(n=3, seed=0):
     files["test_batch"] = files["data_batch_1"]
     return files, images, labels
 
-
 def write_cifar_archive(path, files):
     with tarfile.open(path, "w:gz") as tar:
         for name, content in files.items():
             info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
-
 
 def test_cifar_archive(tmp_path):
     files, images, labels = cifar_files()
@@ -1817,7 +1685,6 @@ def test_cifar_archive(tmp_path):
     np.testing.assert_array_equal(ds.labels, labels)
     assert (ds.class_names == CLASSES and ds.num_classes == 10 and ds.flip
             and ds.input_shape == (32, 32, 3))
-
 
 def test_cifar_extracted_folder(tmp_path):
     files, images, labels = cifar_files(n=2, seed=1)
@@ -1831,7 +1698,6 @@ def test_cifar_extracted_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="data_batch_4"):
         load_dataset("cifar10", str(tmp_path))
 
-
 def test_cifar_refuses_code_in_pickle(tmp_path):
     files, _, _ = cifar_files()
     marker = tmp_path / "it_ran"
@@ -1840,7 +1706,6 @@ def test_cifar_refuses_code_in_pickle(tmp_path):
     with pytest.raises(UnsafePickleError, match="data_batch_3: .*system"):
         load_dataset("cifar10", str(tmp_path))
     assert not marker.exists()
-
 
 def test_cifar_damaged_archive(tmp_path):
     files, _, _ = cifar_files()
@@ -1852,7 +1717,6 @@ def test_cifar_damaged_archive(tmp_path):
     (tmp_path / "cifar-10-python.tar.gz").write_bytes(raw[:len(raw) // 2])
     with pytest.raises(ValueError, match="damaged|lacks"):
         load_dataset("cifar10", str(tmp_path))
-
 
 def test_center_crop_arr_against_manual_adm_steps():
     """ADM's recipe done by hand: BOX-halve 1000x600 while the short side is >= 2*64, bicubic,
@@ -1870,7 +1734,6 @@ def test_center_crop_arr_against_manual_adm_steps():
     # grayscale and palette images come back as RGB
     assert center_crop_arr(img.convert("L"), 32).shape == (32, 32, 3)
     assert center_crop_arr(img.convert("P"), 32).shape == (32, 32, 3)
-
 
 def real_jpegs(out, per_class=3, classes=2):
     """Extract the first few CIFAR-10 JPEGs of the first classes met in the shared archive (in
@@ -1892,7 +1755,6 @@ def real_jpegs(out, per_class=3, classes=2):
                 paths.append(path)
     return found
 
-
 def test_folder_with_classes(tmp_path):
     found = real_jpegs(tmp_path)
     names = sorted(found)
@@ -1907,7 +1769,6 @@ def test_folder_with_classes(tmp_path):
     expected = np.stack([center_crop_arr(Image.open(p).convert("RGB"), 16) for p in files])
     assert small.x.shape == (len(files), 16, 16, 3)
     np.testing.assert_array_equal(small.x, expected)
-
 
 def test_folder_unconditional_broken_and_mixed(tmp_path):
     found = real_jpegs(tmp_path / "src", per_class=4, classes=1)
@@ -1932,7 +1793,6 @@ def test_folder_unconditional_broken_and_mixed(tmp_path):
         ds = load_dataset("folder", str(flat), resolution=24)
     assert ds.x.shape == (len(files) + 1, 24, 24, 3)
 
-
 def test_folder_empty(tmp_path):
     with pytest.raises(ValueError, match="no images"):
         load_dataset("folder", str(tmp_path))
@@ -1940,7 +1800,6 @@ def test_folder_empty(tmp_path):
         load_dataset("folder", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="data_dir"):
         load_dataset("folder")
-
 
 def test_image_files_is_the_one_rule_of_the_three_files(tmp_path):
     """dit.py's folder dataset, fid.py's folders and prepare_imagenet100.py's class folders see
@@ -1961,7 +1820,6 @@ def test_image_files_is_the_one_rule_of_the_three_files(tmp_path):
     with pytest.warns(UserWarning, match="1 images directly"):
         ds = load_dataset("folder", str(tmp_path))
     assert ds.labels.tolist() == [0, 0, 1] and ds.class_names == ["a", "b"]
-
 
 def write_prepared(out, n=12, h=2, w=3, c=4, pixels=None, seed=0):
     """A prepare_imagenet100.py output folder written by hand. Latents: mean and std of the image
@@ -1986,7 +1844,6 @@ def write_prepared(out, n=12, h=2, w=3, c=4, pixels=None, seed=0):
     latents[:] = np.concatenate([mean, std], axis=-1)
     latents.flush()
     return np.array(latents), labels
-
 
 def test_imagenet100_latents(tmp_path):
     latents, labels = write_prepared(str(tmp_path))
@@ -2021,7 +1878,6 @@ def test_imagenet100_latents(tmp_path):
         np.testing.assert_array_equal(np.concatenate(halves), x)
     assert chose == {0, 1}
 
-
 def test_imagenet100_latent_noise_statistics(tmp_path):
     """Independently of the draw order: (z / scale - mean) / std must be standard normal."""
     n = 64
@@ -2035,7 +1891,6 @@ def test_imagenet100_latent_noise_statistics(tmp_path):
     eps = (x / np.float32(0.18215) - stats[..., :4]) / stats[..., 4:]
     assert abs(eps.mean()) < 0.05 and abs(eps.std() - 1) < 0.05  # 4096 draws: 3 sigma is about 0.05
     assert not np.array_equal(loader.batch(1)[0], loader.batch(0)[0])
-
 
 def test_imagenet100_pixels_and_errors(tmp_path):
     images, labels = write_prepared(str(tmp_path / "pix"), pixels=8)
@@ -2056,7 +1911,6 @@ def test_imagenet100_pixels_and_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset("imagenet", str(tmp_path))
 
-
 def numbered(n, flip=False, classes=5):
     """Pixel dataset whose image i holds 4*i + column, so a batch tells which samples it holds (and
     flips show)."""
@@ -2066,10 +1920,8 @@ def numbered(n, flip=False, classes=5):
     return Dataset("numbered", x, np.arange(n) % classes, classes, [str(i) for i in range(classes)],
                    flip=flip)
 
-
 def sample_ids(x):
     return np.rint((x + 1) * 127.5).astype(int).min(axis=(1, 2, 3)) // 4
-
 
 def test_loader_epochs_cover_dataset_without_repeats():
     n, G = 26, 8  # 3 steps per epoch; 2 samples dropped each epoch
@@ -2082,7 +1934,6 @@ def test_loader_epochs_cover_dataset_without_repeats():
     assert not np.array_equal(epochs[0], epochs[1])  # each epoch is shuffled afresh
     x, y = loader.batch(0)
     np.testing.assert_array_equal(y, sample_ids(x) % 5)
-
 
 def test_loader_is_deterministic_resumable_and_process_independent():
     ds = numbered(40, flip=True)
@@ -2105,7 +1956,6 @@ def test_loader_is_deterministic_resumable_and_process_independent():
         np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), first[step][0])
         np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), first[step][1])
 
-
 def test_loader_pixels_and_flips():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (64, 5, 6, 3), dtype=np.uint8)
@@ -2121,7 +1971,6 @@ def test_loader_pixels_and_flips():
     assert out.min() >= -1 and out.max() <= 1
     ds.flip = False
     np.testing.assert_allclose(Loader(ds, 64, seed=1).batch(0)[0], plain, atol=1e-6)
-
 
 def test_loader_threads_stop_errors_propagate_and_prefetch_is_bounded():
     before = set(threading.enumerate())
@@ -2149,7 +1998,6 @@ def test_loader_threads_stop_errors_propagate_and_prefetch_is_bounded():
             next(iter(loader))
     assert set(threading.enumerate()) == before
 
-
 def test_held_out_samples_are_fixed_and_never_trained_on():
     train, held = dit.hold_out(60, 10)
     again, same = dit.hold_out(60, 10)
@@ -2164,7 +2012,6 @@ def test_held_out_samples_are_fixed_and_never_trained_on():
     np.testing.assert_array_equal(sample_ids(x), loader.indices(0))
     assert len(dit.hold_out(60, 0)[1]) == 0 and len(dit.hold_out(60, 0)[0]) == 60
 
-
 def test_loader_rejects_bad_arguments():
     ds = numbered(10)
     with pytest.raises(ValueError, match="number of training samples"):
@@ -2174,11 +2021,9 @@ def test_loader_rejects_bad_arguments():
     with pytest.raises(ValueError, match="does not exist"):
         Loader(ds, 8, seed=0, process_index=2, process_count=2)
 
-
 #################################################################################
 #                                11. Checkpoints                                #
 #################################################################################
-
 
 # Stops the process dead (no cleanup, like SIGKILL) right after the checkpoint of step 3 is written.
 KILL_AFTER_CHECKPOINT = """
@@ -2189,7 +2034,6 @@ def save_then_die(run_dir, state, *args):
         os._exit(9)
 dit.save_checkpoint = save_then_die
 """
-
 
 # Kills the process in the middle of writing the checkpoint of step 6: half of it is on disk.
 KILL_WHILE_WRITING = """
@@ -2206,7 +2050,6 @@ def savez_and_die(f, **arrays):
 np.savez = savez_and_die
 """
 
-
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, folder_data):
     """Nine uninterrupted training steps on one device, with checkpoints at steps 3, 6 and 9 and
@@ -2216,17 +2059,13 @@ def straight_run(tmp_path_factory, folder_data):
     run_dit(run_dir.parent, train_args(folder_data, run_dir, 9, VALIDATION))
     return run_dir
 
-
 VALIDATION = ["--val-images", "8", "--val-every", "3"]
-
 
 def state_at(run_dir, step):
     return dit.read_checkpoint(os.path.join(run_dir, "checkpoints", f"step_{step:07d}.npz"))[1]
 
-
 def records(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
 
 @slow
 def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
@@ -2271,7 +2110,6 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
     assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [4, 5, 6]
 
-
 @slow
 def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data,
                                                                straight_run):
@@ -2289,11 +2127,9 @@ def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
-
 def small_state(step):
     """A training state of 1 MB (250,000 float32 numbers) at `step`."""
     return {"step": jnp.int32(step), "params": {"w": jnp.full((500, 500), step, jnp.float32)}}
-
 
 def read_only_open(file, mode="r", *args, **kwargs):
     """open() in a folder on a read-only filesystem (Kaggle's /kaggle/input, a mounted archive): a
@@ -2301,7 +2137,6 @@ def read_only_open(file, mode="r", *args, **kwargs):
     if set(mode) & set("wax+"):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), file)
     return open(file, mode, *args, **kwargs)
-
 
 def test_checkpoint_that_cannot_be_written_stops_in_one_line_and_keeps_the_one_before(
         tmp_path, folder_data, monkeypatch):
@@ -2342,11 +2177,9 @@ def test_checkpoint_that_cannot_be_written_stops_in_one_line_and_keeps_the_one_b
                        f"\\({os.strerror(errno.EROFS)}\\)"):
         dit.main(train_args(folder_data, tmp_path / "new", 2))
 
-
 #################################################################################
 #                             12. The training loop                             #
 #################################################################################
-
 
 def test_default_precision_per_device():
     """bf16 where the device computes it natively, fp16 on NVIDIA GPUs before Ampere, fp32 on
@@ -2360,7 +2193,6 @@ def test_default_precision_per_device():
     for capability, name in [("7.5", "T4"), ("7.0", "V100"), ("6.0", "P100")]:
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
 
-
 # split_cpu in a fresh process, on a machine of `cores` cores; prints the devices JAX then has.
 SPLIT_CPU = """
 import os, sys
@@ -2372,7 +2204,6 @@ os.sched_getaffinity = lambda pid: set(range({cores}))
 dit.split_cpu({batch})
 print(jax.device_count())
 """
-
 
 @pytest.mark.parametrize("cores, batch, before, flags, devices", [
     (2, 16, "", "", 2),                      # the bench's DiT-S/2 batch: 8 samples a core
@@ -2390,7 +2221,6 @@ def test_split_cpu_gives_each_core_a_device_and_a_share_of_the_batch(cores, batc
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == devices
 
-
 # Sends the process a signal (in a multi-host run, process `process` alone) while the data loader
 # prepares the second batch of the run: it arrives during the first step or the wait for the
 # second, and before the second step's batch reaches the training loop.
@@ -2404,7 +2234,6 @@ def batch_and_signal(self, step):
     return batch(self, step)
 dit.Loader.batch = batch_and_signal
 """
-
 
 @slow
 def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_data, straight_run):
@@ -2430,7 +2259,6 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_dat
     assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 10))
     assert ([r for r in resumed if "val_loss" in r]
             == [r for r in records(straight_run) if "val_loss" in r])
-
 
 def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
     """Inside `with Stop`, SIGTERM and a first SIGINT ask for a stop, a second SIGINT raises
@@ -2460,19 +2288,16 @@ def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
     thread.join()
     assert reasons == ["reached --time-limit"]
 
-
 @pytest.mark.parametrize("text, seconds", [("8h30m", 8 * 3600 + 30 * 60), ("90m", 5400),
                                            ("45s", 45), ("1h", 3600), ("2m30s", 150)])
 def test_time_limit_is_read_as_hours_minutes_seconds(text, seconds):
     assert dit.build_parser().parse_args(["train", "--time-limit", text]).time_limit == seconds
-
 
 @pytest.mark.parametrize("text", ["8", "8x", "30m8h", "0s", "", "1.5h"])
 def test_time_limit_that_is_no_duration_is_refused_by_the_parser(text):
     with pytest.raises(dit.InputError, match=re.escape(
             f"argument --time-limit: expected a duration such as 8h30m, 90m or 45s, got {text!r}")):
         dit.main(["--time-limit", text])
-
 
 def test_progress_is_shown_against_the_bound_that_comes_first(monkeypatch):
     """A run bounded by --time-limit ends where the limit stops it, at the speed so far, and the
@@ -2487,7 +2312,6 @@ def test_progress_is_shown_against_the_bound_that_comes_first(monkeypatch):
     assert dit.Stop(None).last_step(500, 600, 100_000_000) == 100_000_000
     clock[0] += 3600  # past the limit: the step under way is the last
     assert stop.last_step(500, 600, 100_000_000) == 600
-
 
 @slow
 def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_data,
@@ -2505,7 +2329,6 @@ def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_
     assert any(n > 0 for n, _ in bars) and all(total < 100_000_000 for n, total in bars if n > 0)
     # the deadline may pass between the bar's update and the check that stops the run
     assert last <= bars[-1][1] <= last + 1, bars[-3:]
-
 
 # Records, in a training run, each compilation (jax.monitoring's backend compile event, which a
 # program loaded from the compilation cache also sends) and each read of a device array by the host,
@@ -2539,7 +2362,6 @@ dit.StepTrace.__call__ = step_begins
 atexit.register(lambda: print("EVENTS", json.dumps(events)))
 """
 
-
 def compiles_and_reads(stdout, steps):
     """(the compilations during the loop as (step under way, program), the steps after which
     the host read a device array), from RECORD_COMPILES_AND_READS's record of a run of `steps`
@@ -2550,7 +2372,6 @@ def compiles_and_reads(stdout, steps):
                       if kind == "compile" and step is not None)
     return compiles, {min(step + 1, steps) for kind, step, _ in events
                       if kind == "read" and step is not None}
-
 
 @slow
 def test_each_program_compiles_once_and_the_loop_waits_for_the_host_only_where_planned(
@@ -2578,7 +2399,6 @@ def test_each_program_compiles_once_and_the_loop_waits_for_the_host_only_where_p
     assert compiles == programs(9, 11)
     assert reads == {12, 15}
 
-
 # Counts what JAX's persistent compilation cache did: programs looked up, found, and written.
 COUNT_CACHE = """
 import atexit, collections, json
@@ -2587,7 +2407,6 @@ counts = collections.Counter()
 jax.monitoring.register_event_listener(lambda event, **kwargs: counts.update([event]))
 atexit.register(lambda: print("CACHE", json.dumps(counts)))
 """
-
 
 @slow
 def test_a_second_run_loads_every_program_from_the_compilation_cache(tmp_path, folder_data):
@@ -2613,12 +2432,10 @@ def test_a_second_run_loads_every_program_from_the_compilation_cache(tmp_path, f
     assert run("third", "--no-compile-cache") == [0, 0, 0]
     assert sorted(cache.glob("*-cache")) == entries
 
-
 # DiT+ (RoPE on the kept tokens) with deferred masking, every patch after step 3, checkpoints every
 # 2 steps.
 MASKING = ["--arch", "dit+", "--mask-ratio", "0.5", "--mixer-depth", "1", "--ckpt-every", "2",
            "--unmask-at", "3"]
-
 
 @pytest.fixture(scope="module")
 def masked_run(tmp_path_factory, folder_data):
@@ -2627,7 +2444,6 @@ def masked_run(tmp_path_factory, folder_data):
     run_dir = tmp_path_factory.mktemp("masked") / "run"
     run_dit(run_dir.parent, train_args(folder_data, run_dir, 6, [*VALIDATION, *MASKING]))
     return run_dir
-
 
 @slow
 def test_masked_training_resumes_exactly(tmp_path, folder_data, masked_run):
@@ -2653,7 +2469,6 @@ def test_masked_training_resumes_exactly(tmp_path, folder_data, masked_run):
     c = final_state(tmp_path / "later")[1]
     assert not all(np.array_equal(a[k], c[k]) for k in a)
 
-
 @slow
 def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, masked_run):
     """The 8 devices of a TPU v3-8 sharing the batch (one sample each) and, with --fsdp, the
@@ -2671,7 +2486,6 @@ def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, masked_run):
     assert not np.allclose(one["params.blocks.0.attn.qkv.kernel"],
                            np.asarray(start["blocks"][0]["attn"]["qkv"]["kernel"]))
     assert_states_close(one, final_state(tmp_path / "run")[1])
-
 
 @slow
 def test_validation_images_of_any_count_on_any_devices(tmp_path, folder_data):
@@ -2691,12 +2505,10 @@ def test_validation_images_of_any_count_on_any_devices(tmp_path, folder_data):
         assert b["val_loss_t"] == pytest.approx(a["val_loss_t"], rel=1e-5)
     assert one[0]["val_loss"] != one[1]["val_loss"]  # the figures follow the weights
 
-
 def free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
-
 
 def two_processes(tmp_path, argvs, devices=2, patch="", cwds=(None, None)):
     """Run dit.py with argvs[k] as process k of 2 joined by jax.distributed on localhost, each
@@ -2718,14 +2530,12 @@ def two_processes(tmp_path, argvs, devices=2, patch="", cwds=(None, None)):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     return [p.returncode for p in procs], outs
 
-
 def run_two_hosts(tmp_path, data_dir, run_dirs, steps, patch=""):
     """Train on 2 processes x 2 devices, process k in run_dirs[k]: the outputs of both."""
     codes, outs = two_processes(tmp_path, [train_args(data_dir, run_dir, steps, VALIDATION)
                                            for run_dir in run_dirs], patch=patch)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     return outs
-
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory, folder_data):
@@ -2735,14 +2545,12 @@ def two_hosts(tmp_path_factory, folder_data):
     run_dir = tmp_path / "multi"
     return run_dir, run_two_hosts(tmp_path, folder_data, [run_dir, run_dir], 3)[0]
 
-
 @slow
 def test_two_hosts_equal_one(two_hosts, straight_run):
     """2 processes x 2 devices == 1 process x 1 device."""
     run_dir, out = two_hosts
     assert "4 devices, 2 processes" in out
     assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
-
 
 @slow
 def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, folder_data,
@@ -2773,7 +2581,6 @@ def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, f
             np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
     assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
 
-
 @slow
 def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path, folder_data):
     """Each host reads its own disk; where they found different data, or one lacks the checkpoint
@@ -2801,7 +2608,6 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
     assert [out.splitlines()[-1] for out in outs] == [line, line], outs
     assert not any(os.path.exists(run_dir / "checkpoints") for run_dir in run_dirs)
 
-
 # The README's course section on a pod slice of 2 hosts x 8 devices, each host with a local disk:
 # a folder per process, its working directory, where it runs the README's commands as they are
 # written, with toy sizes added. What differs: a DiT-S here is 32 wide and 2 deep; the processes
@@ -2816,7 +2622,6 @@ fid.frechet_distance = lambda mu1, sigma1, mu2, sigma2: float(((mu1 - mu2) ** 2)
 """
 COURSE_RUN = os.path.join("runs", "imagenet100-DiT-S-2")
 
-
 def course_tree(root):
     """A Kaggle-layout ImageNet-100 download (train.X1, train.X2, Labels.json) of 4 classes x 260
     generated 10x8 JPEGs: more than the course's 1,000 held-out images."""
@@ -2829,7 +2634,6 @@ def course_tree(root):
             pixels = rng.integers(0, 64, (8, 10, 3), dtype=np.uint8) + 64 * c
             Image.fromarray(pixels).save(folder / f"{i}.JPEG")
     (root / "Labels.json").write_text(json.dumps({w: f"class {c}" for c, w in enumerate(wnids)}))
-
 
 @pytest.fixture(scope="module")
 def course_data(tmp_path_factory, inception_weights):
@@ -2850,7 +2654,6 @@ def course_data(tmp_path_factory, inception_weights):
         os.chdir(cwd)
     return root / "in100-256"
 
-
 def course_hosts(tmp_path, data, fid_ref_on=(0, 1)):
     """Each host's disk (a folder) with its copy of the prepared data, the FID reference on the
     hosts fid_ref_on only."""
@@ -2860,13 +2663,11 @@ def course_hosts(tmp_path, data, fid_ref_on=(0, 1)):
                         ignore=None if k in fid_ref_on else shutil.ignore_patterns("fid_ref.npz"))
     return hosts
 
-
 def course_train(inception_weights):
     """Step 3's command, with toy sizes added: batches of 16, 4 steps, FID-16 of 2-step samples."""
     return ["--size", "S", "--dataset", "imagenet100", "--data-dir", "in100-256/",
             "--val-images", "1000", "--batch-size", "16", "--steps", "4", "--final-fid", "16",
             "--sample-steps", "2", "--inception", inception_weights]
-
 
 @slow
 def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception_weights):
@@ -2915,7 +2716,6 @@ def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception
         with np.load(hosts[0] / f"samples_cfg{scale}.npz") as f:
             assert f["arr_0"].shape == (16, 8, 8, 3)
 
-
 @slow
 def test_course_host_without_the_fid_reference_ends_every_host(tmp_path, course_data,
                                                                inception_weights):
@@ -2932,10 +2732,8 @@ def test_course_host_without_the_fid_reference_ends_every_host(tmp_path, course_
     assert not any(os.path.exists(host / COURSE_RUN / "checkpoints") for host in hosts)
     assert not os.path.exists(hosts[0] / COURSE_RUN / "metrics.jsonl")
 
-
 def losses(run_dir):
     return [r["loss"] for r in records(run_dir) if "loss" in r]
-
 
 def executions(trace_dir, function):
     """How many times the trace under trace_dir called the jit-compiled `function` (read from its
@@ -2945,7 +2743,6 @@ def executions(trace_dir, function):
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in json.load(f)["traceEvents"]
                  if e.get("name") == f"PjitFunction({function})"]
     return sum(not any(a < start <= b for a, b in spans) for start, _ in spans)
-
 
 @slow
 def test_loss_falls_on_mnist(tmp_path):
@@ -2968,7 +2765,6 @@ def test_loss_falls_on_mnist(tmp_path):
         images = f["arr_0"]
     assert images.shape == (10, 28, 28, 3) and images.dtype == np.uint8 and images.std() > 0
     assert (images[..., :1] == images).all()
-
 
 @slow
 def test_loss_falls_on_cifar10_photos(tmp_path):
@@ -2993,7 +2789,6 @@ def test_loss_falls_on_cifar10_photos(tmp_path):
     meta, _ = final_state(tmp_path / "run")
     assert meta["model"]["num_classes"] == 10 and meta["model"]["in_channels"] == 3
 
-
 @slow
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, folder_data):
     # From step 5 on, the data holds an infinity: the loss of step 5 is the first that is not
@@ -3014,20 +2809,17 @@ dit.Loader.batch = poisoned
     _, arrays = final_state(tmp_path / "run")
     assert all(np.isfinite(v).all() for v in arrays.values())
 
-
 @slow
 def test_batch_that_does_not_split_over_the_devices_is_refused(tmp_path, folder_data):
     out = run_dit(tmp_path, train_args(folder_data, tmp_path / "run", 2, ["--batch-size", "6"]),
                   devices=4, check=False)
     assert out.returncode != 0 and "does not split over 4 devices" in out.stderr
 
-
 @slow
 def test_run_dir_of_another_run_is_refused(tmp_path, folder_data, straight_run):
     out = run_dit(tmp_path, train_args(folder_data, straight_run, 2, ["--objective", "ddpm"]),
                   check=False)
     assert out.returncode != 0 and "holds another run" in out.stderr and "objective" in out.stderr
-
 
 @slow
 def test_checkpoint_of_another_model_size_is_refused(straight_run):
@@ -3038,13 +2830,11 @@ def test_checkpoint_of_another_model_size_is_refused(straight_run):
     with pytest.raises(ValueError, match="another model size"):
         dit.restore_state(arrays, state, shardings, "that checkpoint")
 
-
 @slow
 def test_missing_dataset_says_how_to_prepare_it(tmp_path):
     out = run_dit(tmp_path, ["--dataset", "imagenet100", "--data-dir", str(tmp_path / "nowhere"),
                              "--run-dir", str(tmp_path / "run")], check=False)
     assert out.returncode != 0 and "prepare_imagenet100.py" in out.stderr
-
 
 @slow
 def test_dataset_that_changed_since_the_run_began_is_refused(tmp_path, folder_data):
@@ -3056,7 +2846,6 @@ def test_dataset_that_changed_since_the_run_began_is_refused(tmp_path, folder_da
     out = run_dit(tmp_path, train_args(str(grown), tmp_path / "run", 2), check=False)
     assert out.returncode != 0 and "dataset_size: 96 -> 97" in out.stderr
 
-
 def test_damaged_checkpoint_names_itself_and_the_way_out(tmp_path):
     path = tmp_path / "step_0000001.npz"
     path.write_bytes(b"PK\x03\x04" + bytes(100))
@@ -3064,11 +2853,9 @@ def test_damaged_checkpoint_names_itself_and_the_way_out(tmp_path):
                        match="step_0000001.npz is not a readable DiT checkpoint.*delete it"):
         dit.read_checkpoint(str(path))
 
-
 #################################################################################
 #                          13. Sampling and evaluation                          #
 #################################################################################
-
 
 @slow
 def test_export_sample_and_fid_samples(tmp_path, folder_data):
@@ -3097,7 +2884,6 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
         assert f["arr_0"].shape == (10, 8, 8, 3) and f["arr_0"].dtype == np.uint8
         assert np.bincount(f["labels"]).tolist() == [5, 5]
 
-
 @slow
 def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_data, monkeypatch):
     """A run's final FID and `sample --fid` of its EMA weights, at the same guidance, steps, batch
@@ -3125,7 +2911,6 @@ def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_dat
     assert {k: v for k, v in sample_fid.items() if k in train_fid} == {
         **train_fid, "fid": sample_fid["fid"]}
     assert sample_fid["fid"] == pytest.approx(train_fid["fid"], abs=0.01)
-
 
 @slow
 def test_sampler_decodes_each_devices_share_in_chunks(tmp_path):
@@ -3166,11 +2951,9 @@ print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n
     temp = json.loads(out.splitlines()[-1])
     assert temp[1] < 1.2 * temp[0], temp
 
-
 #################################################################################
 #                                 14. Benchmark                                 #
 #################################################################################
-
 
 @slow
 def test_bench_reports_figures(tmp_path):
@@ -3223,7 +3006,6 @@ def test_bench_reports_figures(tmp_path):
     assert executions(profile / "forward", "<lambda>") == 2
     assert glob.glob(str(profile / "fid" / "plugins" / "profile" / "*" / "*.xplane.pb"))
 
-
 def test_flops_match_the_paper():
     """Table 4 of the paper gives forward Gflops (multiply-adds) of the twelve models at 256x256."""
     paper = {"S/8": 0.36, "S/4": 1.41, "S/2": 6.06, "B/8": 1.42, "B/4": 5.56, "B/2": 23.01,
@@ -3232,7 +3014,6 @@ def test_flops_match_the_paper():
         size, patch = name.split("/")
         cfg = dit.DiTConfig(patch_size=int(patch), **dit.DIT_SIZES[size])
         assert dit.dit_flops(cfg) / 2e9 == pytest.approx(gflops, rel=0.01), name
-
 
 def test_mfu_divides_by_the_peak_of_one_jax_device():
     """bench multiplies a device's peak by jax.device_count(). On TPU v2 and v3 a JAX device is one
@@ -3248,7 +3029,6 @@ def test_mfu_divides_by_the_peak_of_one_jax_device():
     assert peak("tpu", "TPU v6 lite") == 918e12
     assert peak("gpu", "NVIDIA H100 80GB HBM3") == 989e12
     assert peak("tpu", "TPU v4 lite") is None and peak("cpu", "cpu") is None
-
 
 @slow
 def test_compiled_training_step_costs_what_dit_flops_counts():
@@ -3269,7 +3049,6 @@ def test_compiled_training_step_costs_what_dit_flops_counts():
     assert flops / batch / 1e9 == pytest.approx(36.3, rel=0.05)
     assert flops / (3 * dit.dit_flops(cfg) * batch) == pytest.approx(1.0, rel=0.05)
 
-
 #################################################################################
 #                                  15. Reports                                  #
 #################################################################################
@@ -3284,7 +3063,6 @@ IN100_RUN = {"dataset": "imagenet100", "size": "S", "patch": 2, "arch": "dit", "
              "grad_clip": 0.0, "ema_decay": 0.9999, "ema_warmup": False, "seed": 0,
              "resolution": None, "val_images": 1000, "dataset_size": 125689, "num_classes": 100,
              "masking": None}
-
 
 def synthetic_run(run_dir, steps, draw=0, log_every=100, val_every=10_000, fid_every=50_000,
                   cut=False, **settings):
@@ -3321,14 +3099,11 @@ def synthetic_run(run_dir, steps, draw=0, log_every=100, val_every=10_000, fid_e
         Image.new("RGB", (34, 34)).save(run_dir / "samples" / f"step_{step:07d}.png")
     return records
 
-
 def panels(figure):
     return {ax.get_title(): ax for ax in figure.axes}
 
-
 def xy(line):
     return np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
-
 
 def test_report_draws_what_the_runs_logged(tmp_path):
     """DiT against DiT+ with deferred masking, the second's last line cut short: each curve is the
@@ -3371,7 +3146,6 @@ def test_report_draws_what_the_runs_logged(tmp_path):
         "10K samples, adm", "5K samples, adm"]
     assert axes["training speed (faint: as logged)"].get_ylabel() == "images/s"
 
-
 def test_report_against_hours_of_training(tmp_path):
     """--x hours: each record's step becomes the hours of the logged seconds per step up to it,
     the validation records' as the training records'."""
@@ -3388,7 +3162,6 @@ def test_report_against_hours_of_training(tmp_path):
         xy(panels(hours.figure)["validation loss, mean of the noise levels"].lines[0])[0],
         seconds[99::100] / 3600)
     assert len(val) == 2
-
 
 def test_report_table_and_grids(tmp_path):
     """report.md: a row per run with what differs, steps, hours, median images/s, the last and the
@@ -3413,7 +3186,6 @@ def test_report_table_and_grids(tmp_path):
     assert links[0] == ("curves", "curves.png")
     assert links[1] == ("--seed 0, step 20,000", "../runs/a/samples/step_0020000.png")
     assert all(os.path.isfile(out / link) for _, link in links)
-
 
 def test_report_draws_guidance_sweeps(tmp_path):
     """`sample --fid` sweeps in a run's metrics: FID, Precision and Recall against the guidance
@@ -3446,7 +3218,6 @@ def test_report_draws_guidance_sweeps(tmp_path):
     # the FID of training is drawn apart from the sweeps'
     np.testing.assert_array_equal(xy(panels(report.figure)["FID during training"].lines[0])[0],
                                   [20_000])
-
 
 def test_report_names_bad_runs(tmp_path, monkeypatch):
     """A folder that is not a run, a run with no metrics yet (or only a line cut short), a damaged
@@ -3485,7 +3256,6 @@ def test_report_names_bad_runs(tmp_path, monkeypatch):
             tmp_path / "good")
     assert "curves.png" not in (tmp_path / "out" / "report.md").read_text()
 
-
 @slow
 def test_report_of_400k_steps_takes_seconds(tmp_path, capsys):
     """Two runs of the imagenet100 recipe's 400K steps, logged at its cadence."""
@@ -3501,7 +3271,6 @@ def test_report_of_400k_steps_takes_seconds(tmp_path, capsys):
         == 4000
     assert seconds < 30
 
-
 def readme_table(heading):
     """The rows (lists of cells) of the first table after the README's line `heading`."""
     with open(os.path.join(HERE, "README.md")) as f:
@@ -3510,12 +3279,10 @@ def readme_table(heading):
     table = re.search(r"((?:^\|.*\|\n)+)", text, re.M)[1].splitlines()
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in table[2:]]
 
-
 def run_records(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
-
 
 # The README's two tables of runs, each row's runs/ folder (its --run-dir), whose run.json and
 # metrics.jsonl fixtures/runs holds: the rows' first cells, their options, name them.
@@ -3528,7 +3295,6 @@ README_RUNS = {
                                 "masking 0.5, then every patch": "masked-50-unmask",
                                 "**masking 0.75**": "masked-75",
                                 "masking 0.75, then every patch": "masked-75-unmask"}}
-
 
 @pytest.mark.parametrize("heading", README_RUNS)
 def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
@@ -3572,7 +3338,6 @@ def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
     assert Image.open(os.path.join(HERE, figure_file)).size == Image.open(
         tmp_path / "report" / "curves.png").size
 
-
 @slow
 def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch):
     """`sample --fid --ref` on a run's exported weights adds the scores it prints to the run's
@@ -3604,7 +3369,6 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
     model = dit.load_model(dit.list_checkpoints(run_dir)[-1])[0]
     assert f"| {dit.count_params(model):,} | 9 |" in (tmp_path / "out" / "report.md").read_text()
 
-
 @slow
 def test_notebook_shows_the_report(kernel, tmp_path):
     """In a notebook, main(["report", ...]) shows curves.png as the cell's output."""
@@ -3616,11 +3380,9 @@ def test_notebook_shows_the_report(kernel, tmp_path):
     shown = base64.b64decode(dict(out)["image/png"])
     assert shown == (tmp_path / "out" / "curves.png").read_bytes()
 
-
 #################################################################################
 #                                16. Command line                               #
 #################################################################################
-
 
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume: no checkpoint in"),
@@ -3644,7 +3406,6 @@ def test_command_line_mistakes_are_named(tmp_path, folder_data, argv, message):
     with pytest.raises(dit.InputError, match=message):
         dit.main(argv)
 
-
 @pytest.mark.parametrize("argv, least", [
     (["--keep", "0"], 1), (["--log-every", "-1"], 1), (["bench", "--steps", "0"], 1),
     (["sample", "--ckpt", "x.npz", "--n", "0"], 1), (["--warmup", "-1"], 0),
@@ -3656,7 +3417,6 @@ def test_counts_out_of_range_are_refused_by_the_parser(argv, least):
     with pytest.raises(dit.InputError,
                        match=f"argument {argv[-2]}: expected a whole number of at least {least}"):
         dit.main(argv)
-
 
 @slow
 def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_run):
@@ -3677,7 +3437,6 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
     with pytest.raises(dit.InputError, match="several --cfg-scale values.*give --fid N"):
         dit.main(["sample", "--ckpt", ckpt, "--cfg-scale", "1,2"])
 
-
 @slow
 def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, straight_run):
     """`sample --fid N --cfg-scale 1.5,4` samples once per scale from the same noise, so each set is
@@ -3690,7 +3449,6 @@ def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, str
     load = lambda name: np.load(tmp_path / name)["arr_0"]  # noqa: E731
     np.testing.assert_array_equal(load("default.npz"), load("sweep_cfg1.5.npz"))
     assert (load("sweep_cfg4.npz") != load("default.npz")).any()
-
 
 #################################################################################
 #                  Notebooks: dit.py and fid.py in a real kernel                #
@@ -3747,7 +3505,6 @@ class Kernel:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
 
-
 @pytest.fixture
 def kernel(tmp_path):
     """A kernel in an empty folder, where neither dit.py nor fid.py can be imported."""
@@ -3755,9 +3512,7 @@ def kernel(tmp_path):
     yield k
     k.close()
 
-
 TINY = 'DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)'
-
 
 def readme_cells():
     """{number: text} of the Python cells in the README's Notebooks section."""
@@ -3767,7 +3522,6 @@ def readme_cells():
     section = section[:section.index("\n## ", 1)]
     return {int(re.match(r"# (\d+)\.", cell)[1]): cell
             for cell in re.findall(r"```python\n(.*?)```", section, re.S)}
-
 
 @slow
 def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_run):
@@ -3819,7 +3573,6 @@ def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_
     assert errors[0].startswith("error: argument --size: invalid choice: 'Q'"), errors
     assert kernel.run("print(1 + 1)") == ("ok", [("stdout", "2\n")])
 
-
 @slow
 def test_notebook_dit_pasted_alone(kernel, tmp_path, folder_data):
     """dit.py alone defines everything; a run that needs FID says in one line, before training,
@@ -3833,7 +3586,6 @@ def test_notebook_dit_pasted_alone(kernel, tmp_path, folder_data):
     assert status == "error" and len(errors) == 1 and "\n" not in errors[0], out
     assert errors[0].startswith("error: FID needs fid.py"), errors
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
-
 
 @slow
 def test_notebook_imported(tmp_path, folder_data):
@@ -3849,35 +3601,29 @@ def test_notebook_imported(tmp_path, folder_data):
     finally:
         k.close()
 
-
 #################################################################################
 #                                                                               #
 #                                     fid.py                                    #
 #                                                                               #
 #################################################################################
 
-
 #################################################################################
 #                     The restricted reader of PyTorch files                    #
 #################################################################################
-
 
 class _Global:
     """A global `module.name` in a hand-written pickle."""
     def __init__(self, module, name):
         self.module, self.name = module, name
 
-
 class _Call:
     """`func(*args)` in a hand-written pickle (REDUCE)."""
     def __init__(self, func, *args):
         self.func, self.args = func, args
 
-
 class _PersistentId:
     def __init__(self, value):
         self.value = value
-
 
 class _NewObj:
     """`cls.__new__(cls)` then `__dict__.update(state)` (NEWOBJ + BUILD), as protocol 2 pickles
@@ -3885,13 +3631,11 @@ class _NewObj:
     def __init__(self, cls, state):
         self.cls, self.state = cls, state
 
-
 class _Pickled:
     """A pickle made elsewhere, its opcodes placed where a value goes (its PROTO and STOP
     dropped)."""
     def __init__(self, raw):
         self.opcodes = raw[2:-1] if raw[:1] == pickle.PROTO else raw[:-1]
-
 
 def _emit(x):
     """Pickle opcodes for x, written out by hand so that any global can be named without importing
@@ -3915,10 +3659,8 @@ def _emit(x):
     # a scalar or string: pickle's own opcodes minus PROTO/STOP
     return pickle.dumps(x, protocol=2)[2:-1]
 
-
 def _pickle(obj):
     return b"\x80\x02" + _emit(obj) + b"."
-
 
 def _tensor(storage_name, key, numel, offset, size, stride):
     """What torch writes for one tensor:
@@ -3928,14 +3670,12 @@ def _tensor(storage_name, key, numel, offset, size, stride):
     rebuild = _Global("torch._utils", "_rebuild_tensor_v2")
     return _Call(rebuild, storage, offset, tuple(size), tuple(stride), False, hooks)
 
-
 def _write_zip(path, obj, storages):
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("ckpt/data.pkl", _pickle(obj))
         z.writestr("ckpt/byteorder", "little")
         for key, raw in storages.items():
             z.writestr(f"ckpt/data/{key}", raw)
-
 
 def _write_legacy(path, obj, storages, itemsizes):
     with open(path, "wb") as f:
@@ -3947,7 +3687,6 @@ def _write_legacy(path, obj, storages, itemsizes):
         f.write(pickle.dumps(list(storages), protocol=2))
         for key, raw in storages.items():
             f.write(struct.pack("<q", len(raw) // itemsizes[key]) + raw)
-
 
 def _handbuilt_checkpoint():
     """A DiT-style training checkpoint exercising offsets, strides, shared storages, bf16, int64,
@@ -3985,7 +3724,6 @@ def _handbuilt_checkpoint():
     }
     return obj, storages, itemsizes, expected
 
-
 @pytest.mark.parametrize("fmt", ["zip", "legacy"])
 def test_torch_handbuilt_checkpoint(tmp_path, fmt):
     obj, storages, itemsizes, expected = _handbuilt_checkpoint()
@@ -4003,7 +3741,6 @@ def test_torch_handbuilt_checkpoint(tmp_path, fmt):
     assert step.shape == () and step.dtype == np.int64 and step == 7
     assert ckpt["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert ckpt["args"].model == "DiT-XL/2" and ckpt["args"].image_size == 256
-
 
 def test_torch_zip_dit_reference():
     sd = dit.load_torch(fixture("dit_reference.pt"))
@@ -4027,7 +3764,6 @@ def test_torch_zip_dit_reference():
     others = np.concatenate([v.ravel() for k, v in sd.items() if k != "pos_embed"])
     assert others.size > 10000 and abs(others.std() - 0.05) < 0.002 and abs(others.mean()) < 0.002
 
-
 def test_torch_legacy_inception_keys():
     """torch.save's legacy format, as pytorch-fid's weights file has it: the file holds the real
     file's 566 keys and storage types, every dimension cut to at most 2, with the random weights
@@ -4042,7 +3778,6 @@ def test_torch_legacy_inception_keys():
         assert sd[name].dtype == dtypes[keys[name]["dtype"]], name
         np.testing.assert_array_equal(sd[name], want, err_msg=name, strict=True)
 
-
 def write_legacy_state_dict(path, state):
     """`state` ({name: array}) as torch.save(..., _use_new_zipfile_serialization=False) writes a
     state dict: one storage per tensor, contiguous."""
@@ -4054,7 +3789,6 @@ def write_legacy_state_dict(path, state):
                                       value.shape, strides)))
         storages[str(i)], itemsizes[str(i)] = value.tobytes(), value.itemsize
     _write_legacy(path, _Call(_Global("collections", "OrderedDict"), entries), storages, itemsizes)
-
 
 def test_torch_refuses_malicious_pickle(tmp_path):
     marker = tmp_path / "pwned"
@@ -4075,7 +3809,6 @@ def test_torch_refuses_malicious_pickle(tmp_path):
     with pytest.raises(dit.UnsafePickleError):
         dit.safe_unpickle(io.BytesIO(_pickle(_Call(_Global("builtins", "eval"), "1"))), allowed)
     assert not marker.exists()
-
 
 def test_torch_damaged_files_give_clear_errors(tmp_path):
     obj, storages, itemsizes, _ = _handbuilt_checkpoint()
@@ -4102,14 +3835,12 @@ def test_torch_damaged_files_give_clear_errors(tmp_path):
             fid.load_torch(str(path))
         assert str(path) in str(info.value), name
 
-
 def test_torch_tensor_outside_its_storage_is_refused(tmp_path):
     # elements 2, 3, 4 of a 4-element storage
     obj = {"w": _tensor("FloatStorage", "0", 4, 2, (3,), (1,))}
     _write_zip(str(tmp_path / "oob.pt"), obj, {"0": np.zeros(4, np.float32).tobytes()})
     with pytest.raises(ValueError, match="reaches element 4"):
         dit.load_torch(str(tmp_path / "oob.pt"))
-
 
 def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
     # BUILD on an allowed storage type would rewrite it for every later load in the process.
@@ -4137,11 +3868,9 @@ def test_torch_reader_refuses_tampering_and_blowups(tmp_path):
     with pytest.raises(ValueError, match="compressed"):
         dit.load_torch(str(tmp_path / "bomb.pt"))
 
-
 #################################################################################
 #                 InceptionV3, statistics, FID, IS, command line                #
 #################################################################################
-
 
 @pytest.fixture(scope="session")
 def inception_weights(tmp_path_factory):
@@ -4155,14 +3884,12 @@ def inception_weights(tmp_path_factory):
     write_legacy_state_dict(path, random_inception_weights(keys, seed))
     return path
 
-
 @pytest.fixture(scope="module")
 def inception(inception_weights, tmp_path_factory):
     """The FID InceptionV3 with random weights (the real weights are not needed for parity)."""
     with pytest.warns(UserWarning, match="not pytorch-fid's official"):
         return fid.load_inception(inception_weights,
                                   cache_dir=str(tmp_path_factory.mktemp("cache")))
-
 
 def test_fid_resize_matches_torch_formula():
     # Hand-computed from torch's rule src = (i + 0.5) * in / out - 0.5, clamped at 0, linear
@@ -4183,7 +3910,6 @@ def test_fid_resize_matches_torch_formula():
     np.testing.assert_allclose(out, np.einsum("ih,jw,bhwc->bijc", np.array(up), np.array(down), x),
                                atol=1e-6)
 
-
 @slow
 def test_fid_features_match_pytorch_fid_set32(inception):
     ref = np.load(fixture("inception_reference_seeded.npz"))
@@ -4199,7 +3925,6 @@ def test_fid_features_match_pytorch_fid_set32(inception):
     assert rel_err(out["logits"], logits) < 1e-4
     assert rel_err(out["mu"], pool.astype(np.float64).mean(axis=0)) < 1e-4
     assert rel_err(out["sigma"], np.cov(pool.astype(np.float64), rowvar=False)) < 1e-4
-
 
 @slow
 def test_fid_evaluate_matches_pytorch_fid_features(inception, inception_weights):
@@ -4223,7 +3948,6 @@ def test_fid_evaluate_matches_pytorch_fid_features(inception, inception_weights)
     assert (expected_is > 1.0001
             and abs(out["inception_score"] - expected_is) < 1e-3 * (expected_is - 1))
 
-
 @slow
 def test_fid_features_sharded_over_two_devices(tmp_path, inception_weights):
     # Two simulated CPU devices in a fresh process: 5 images at 2 per device make a full step of 4,
@@ -4246,7 +3970,6 @@ np.save({str(tmp_path / "logits.npy")!r}, features.result()["logits"])
     assert logits.shape == (5, 1008)
     assert rel_err(logits, np.load(reference)["set32_logits"][:5]) < 1e-4
 
-
 @pytest.mark.parametrize("name", ["set256", "set384"])
 @slow
 def test_fid_inception_matches_pytorch_fid(inception, name):
@@ -4256,7 +3979,6 @@ def test_fid_inception_matches_pytorch_fid(inception, name):
     assert pool.shape == (len(images), 2048) and logits.shape == (len(images), 1008)
     assert rel_err(pool, ref[f"{name}_pool3"][:len(images)]) < 1e-4
     assert rel_err(logits, ref[f"{name}_logits"][:len(images)]) < 1e-4
-
 
 @slow
 def test_fid_inception_multiplies_in_float32_on_every_backend():
@@ -4270,7 +3992,6 @@ def test_fid_inception_multiplies_in_float32_on_every_backend():
     assert all(p == (jax.lax.Precision.HIGHEST,) * 2 and t == jnp.float32
                for _, p, t in found), found
 
-
 def test_fid_frechet_distance_matches_pytorch_fid():
     ref = np.load(fixture("inception_reference_seeded.npz"))
     value = fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"], ref["sigma2"])
@@ -4278,14 +3999,12 @@ def test_fid_frechet_distance_matches_pytorch_fid():
     with pytest.raises(ValueError, match="do not match"):
         fid.frechet_distance(ref["mu1"], ref["sigma1"], ref["mu2"][:10], ref["sigma2"][:10, :10])
 
-
 def test_fid_frechet_distance_of_known_gaussians():
     # For commuting covariances the distance is ||mu1 - mu2||^2 + sum (sqrt(a_i) - sqrt(b_i))^2.
     a, b = np.array([1.0, 4.0, 9.0]), np.array([4.0, 1.0, 0.25])
     mu1, mu2 = np.array([0.0, 1.0, 2.0]), np.array([1.0, 1.0, 0.0])
     expected = 5.0 + np.sum((np.sqrt(a) - np.sqrt(b)) ** 2)
     assert abs(fid.frechet_distance(mu1, np.diag(a), mu2, np.diag(b)) - expected) < 1e-12
-
 
 def test_fid_statistics_accumulator_equals_numpy():
     rng = np.random.default_rng(0)
@@ -4302,7 +4021,6 @@ def test_fid_statistics_accumulator_equals_numpy():
         small.update(x[:5])
         small.mu_sigma()
 
-
 def test_fid_inception_score_of_known_predictions():
     # Identical predictions: p(y|x) = p(y), so the KL is 0 and the score is exactly 1.
     assert fid.inception_score(np.zeros((40, 1008))) == pytest.approx((1.0, 0.0), abs=1e-12)
@@ -4312,7 +4030,6 @@ def test_fid_inception_score_of_known_predictions():
     assert mean == pytest.approx(5.0, rel=1e-6) and std == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="at least 10 images"):
         fid.inception_score(logits[:9])
-
 
 def test_fid_statistics_files(tmp_path):
     rng = np.random.default_rng(0)
@@ -4328,7 +4045,6 @@ def test_fid_statistics_files(tmp_path):
     with pytest.raises(ValueError, match="not FID statistics.*fid.py stats"):
         fid.load_statistics(str(tmp_path / "images.npz"))
 
-
 @slow
 def test_fid_load_inception_rejects_wrong_weights(tmp_path):
     # No "not the official weights" warning before the error: a failed run ends in its one line.
@@ -4343,7 +4059,6 @@ def test_fid_load_inception_rejects_wrong_weights(tmp_path):
     official_name.write_bytes(b"not the weights")
     with pytest.raises(ValueError, match="sha256.*damaged"):
         fid.load_inception(str(official_name), cache_dir=str(tmp_path))
-
 
 def test_fid_image_inputs_are_checked(tmp_path, inception):
     folder = tmp_path / "images"
@@ -4361,7 +4076,6 @@ def test_fid_image_inputs_are_checked(tmp_path, inception):
     with pytest.raises(ValueError, match="no images"):
         fid.load_images(str(tmp_path / "stats.npz"))
 
-
 def test_fid_sources_by_dataset_name_and_count(tmp_path):
     """A source may name a dataset that dit.py reads (digits become RGB, as the sampler writes
     them); --images keeps N of any source, evenly spaced."""
@@ -4376,7 +4090,6 @@ def test_fid_sources_by_dataset_name_and_count(tmp_path):
         Image.fromarray(np.full((4, 4, 3), 10 * i, np.uint8)).save(folder / f"{i}.png")
     kept = fid.load_images(str(folder), count=2)
     assert len(kept) == 2 and kept[:2][:, 0, 0, 0].tolist() == [0, 40]
-
 
 @slow
 def test_fid_command_line(tmp_path, monkeypatch, capsys, inception_weights):
@@ -4401,14 +4114,12 @@ def test_fid_command_line(tmp_path, monkeypatch, capsys, inception_weights):
     assert (rel_err(mu, pool.mean(axis=0)) < 1e-4
             and rel_err(sigma, np.cov(pool, rowvar=False)) < 1e-4)
 
-
 def test_fid_adm_resize_matches_tensorflow():
     # TensorFlow 1's ResizeBilinear (the Inception graph's node) as matrices, from TF itself.
     ref = np.load(fixture("adm_reference.npz"))
     for size in (32, 256, 384):  # up 9x, up a little, down
         np.testing.assert_allclose(fid.resize_matrix(size, 299, half_pixel=False),
                                    ref[f"resize_{size}"], atol=1e-6)
-
 
 @slow
 def test_fid_adm_features_match_evaluator_graph(inception):
@@ -4427,7 +4138,6 @@ def test_fid_adm_features_match_evaluator_graph(inception):
     assert rel_err(out["score_logits"], ref[f"{name}_score_logits"][:n]) < 1e-4
     assert (rel_err(out["mu_s"], spatial.mean(axis=0)) < 1e-4
             and rel_err(out["sigma_s"], np.cov(spatial, rowvar=False)) < 1e-4)
-
 
 @slow
 def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
@@ -4466,13 +4176,11 @@ def test_fid_adm_scores_match_evaluator(monkeypatch, inception_weights):
     monkeypatch.setattr(fid, "PR_BLOCK", 10)
     assert fid.precision_recall(*cases["b"]) == tuple(ref["pr_b"])
 
-
 def test_sample_counts_are_named_as_the_figures_are():
     """FID-10K and FID-50K in thousands; fewer or uneven counts as they are: FID-32, not
     FID-0.032K."""
     assert [dit.count_label(n) for n in (10_000, 50_000, 1_000, 32, 1_500)] == [
         "10K", "50K", "1K", "32", "1500"]
-
 
 @slow
 def test_fid_reference_batches(tmp_path, monkeypatch, inception):
@@ -4513,13 +4221,11 @@ def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     with pytest.raises(dit.InputError, match="pytorch-fid protocol, not adm"):
         fid.evaluate(images[:2], str(tmp_path / "pt.npz"), inception, protocol="adm")
 
-
 #################################################################################
 #                                                                               #
 #                             prepare_imagenet100.py                            #
 #                                                                               #
 #################################################################################
-
 
 def kaggle_tree(root, photos):
     """A small tree in the Kaggle layout from real photos, with the kinds of damage real downloads
@@ -4545,7 +4251,6 @@ def kaggle_tree(root, photos):
     (src / "Labels.json").write_text(json.dumps({w: labels[w] for w in (a, b, c, d)}))
     # d stays empty; files in label order: a/1, a/2, b/cmyk, c/gray, c/png, c/truncated
     return src, [a, b, c, d], labels
-
 
 @slow
 def test_prepare_latents_kaggle_tree(tmp_path):
@@ -4590,7 +4295,6 @@ def test_prepare_latents_kaggle_tree(tmp_path):
     assert np.load(out / "val" / "labels.npy").tolist() == [0, 2]
     assert np.load(out / "val" / "latents.npy").shape == (2, 2, 16, 16, 8)
 
-
 def as_a_device_multiplies(fn, mantissa_bits, passes=1):
     """fn with every float32 dot_general and conv_general_dilated computed as an accelerator does
     on the CPU, which always multiplies in float32: the operands rounded to `mantissa_bits`
@@ -4633,7 +4337,6 @@ def as_a_device_multiplies(fn, mantissa_bits, passes=1):
         return jax.tree.unflatten(jax.tree.structure(shapes), outs), count
     return wrapped
 
-
 @slow
 def test_prepare_precision_stores_the_float32_latents():
     """At each --precision every product of the VAE asks XLA for it, and the latents that a device
@@ -4671,7 +4374,6 @@ def test_prepare_precision_stores_the_float32_latents():
     assert steps_off(7, passes=3) <= 1
     assert steps_off(7, passes=1) > 8 and steps_off(10, passes=1) > 2
 
-
 @slow
 def test_train_on_prepared_imagenet100(tmp_path, monkeypatch):
     """What prepare_imagenet100.py writes is what `dit.py --dataset imagenet100` trains on, and the
@@ -4690,7 +4392,6 @@ def test_train_on_prepared_imagenet100(tmp_path, monkeypatch):
             and meta["latent_scale"] == 0.18215)
     grid = np.asarray(Image.open(run / "samples" / "step_0000002.png"))
     assert grid.shape == (4 * 34 + 2, 4 * 34 + 2, 3)  # 16 decoded 32x32 RGB images in a 4x4 grid
-
 
 @slow
 def test_prepare_moves_each_batch_once_and_reads_it_back_after_the_next(tmp_path, monkeypatch,
@@ -4746,7 +4447,6 @@ def test_prepare_moves_each_batch_once_and_reads_it_back_after_the_next(tmp_path
                       ("put", 2), ("run", 2), ("run", 2), ("read", 2), ("read", 2), ("done", 2),
                       ("done", 2)]  # the last: the complete manifest
 
-
 @slow
 def test_prepare_on_two_hosts_with_local_disks(tmp_path):
     """A pod slice of 2 hosts x 2 devices, each host with its own disk, in processes that
@@ -4772,7 +4472,6 @@ def test_prepare_on_two_hosts_with_local_disks(tmp_path):
                and m["timing"]["devices"] == 2 for m in manifests)
     for name in ("latents.npy", "labels.npy", "classes.json"):
         assert (disks[0] / name).read_bytes() == (disks[1] / name).read_bytes()
-
 
 def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
     src, wnids, _ = kaggle_tree(tmp_path, data("imagenet100-photos"))
@@ -4812,7 +4511,6 @@ def test_prepare_resumes_without_redoing_chunks(tmp_path, monkeypatch):
     # finished: nothing redone
     assert prepare_imagenet100.main(args(tmp_path / "out"))["complete"] and calls == []
 
-
 @slow
 def test_prepare_fid_statistics(tmp_path, monkeypatch, inception_weights):
     """fid_stats.npz holds the mean and covariance of the Inception pool features of the kept,
@@ -4844,7 +4542,6 @@ def test_prepare_fid_statistics(tmp_path, monkeypatch, inception_weights):
     assert not (tmp_path / "out" / "inception.partial.npy").exists()
     assert not (tmp_path / "out" / "adm.partial.npy").exists()
 
-
 #################################################################################
 #                                                                               #
 #           Every compiled program, lowered for TPUs and NVIDIA GPUs            #
@@ -4859,7 +4556,6 @@ def test_prepare_fid_statistics(tmp_path, monkeypatch, inception_weights):
 
 PLATFORMS = ("tpu", "cuda")
 
-
 def lower(jitted, *args, platforms=PLATFORMS, disabled_checks=()):
     """jax.export's lowering of `jitted` for `platforms` at the shapes of args
     (jax.ShapeDtypeStruct or arrays)."""
@@ -4868,10 +4564,8 @@ def lower(jitted, *args, platforms=PLATFORMS, disabled_checks=()):
     assert exported.platforms == platforms
     return exported
 
-
 def spec(shape, dtype=jnp.float32, sharding=None):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
 
 def tiny_config(objective, arch="dit", **overrides):
     return dit.DiTConfig(**{**dict(input_size=8, patch_size=2, in_channels=4, hidden_size=32,
@@ -4879,11 +4573,9 @@ def tiny_config(objective, arch="dit", **overrides):
                                    learn_sigma=dit.OBJECTIVES[objective].learn_sigma),
                             **dit.ARCHS[arch], **overrides})
 
-
 def abstract_dit(cfg, dtype=jnp.float32):
     """(graphdef, parameter shapes) of a DiT, nothing initialised."""
     return nnx.split(nnx.eval_shape(lambda: dit.DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
-
 
 @pytest.fixture
 def xla_attention(monkeypatch):
@@ -4894,7 +4586,6 @@ def xla_attention(monkeypatch):
     tpu = types.SimpleNamespace(platform="tpu")
     monkeypatch.setattr(dit, "attention_implementation",
                         lambda dtype, head_dim, device=None: choose(dtype, head_dim, tpu))
-
 
 def traced_init_state(cfg, tx, mesh, fsdp, dtype, remat):
     """dit.init_state as train() calls it, traced and not run: (graphdef, the state's shapes, its
@@ -4908,7 +4599,6 @@ def traced_init_state(cfg, tx, mesh, fsdp, dtype, remat):
     init = jax.jit(init)
     state = jax.eval_shape(init)
     return made["graphdef"], state, made["shardings"], init
-
 
 def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_init=False,
                    masking=None, **lowering):
@@ -4933,14 +4623,12 @@ def lower_training(cfg, objective, precision, remat, batch=4, fsdp=False, lower_
         state["ema"], x, y, **lowering)
     return state, step
 
-
 # Each architecture at each precision; each architecture meets every remat policy and both
 # objectives.
 REMATS = (None, *dit.REMAT_POLICIES)
 TRAINING_CASES = [(arch, ("rf", "ddpm")[(i + j) % 2], precision, REMATS[(i + j) % len(REMATS)])
                   for i, arch in enumerate(dit.ARCHS)
                   for j, precision in enumerate(("fp32", "bf16", "fp16"))]
-
 
 @pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("arch, objective, precision, remat", TRAINING_CASES)
@@ -4950,7 +4638,6 @@ def test_training_lowers_for_tpu_and_cuda(arch, objective, precision, remat):
     # float16 trains with loss scaling, in the state and in the step's metrics
     metrics = step.out_tree.unflatten(step.out_avals)[1]
     assert ("loss_scale" in state) == ("loss_scale" in metrics) == (precision == "fp16")
-
 
 @pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("arch, objective, precision, remat", [("dit", "ddpm", "fp16", None),
@@ -4962,7 +4649,6 @@ def test_masked_training_lowers_for_tpu_and_cuda(arch, objective, precision, rem
     lower_training(tiny_config(objective, arch, depth=2), objective, precision, remat,
                    masking=dit.DeferredMasking(0.75, 1))
 
-
 # Each objective's samplers, unguided and guided (on the channels and in the interval that the
 # sample command can ask for), on DiT+ with every switch on: unguided in float32, guided in bfloat16
 # (rectified flow) and float16 (DDPM). The trajectory is the sample command's --gif.
@@ -4972,7 +4658,6 @@ SAMPLING_CASES = [(objective, method, cfg_scale,
                   for objective in dit.OBJECTIVES
                   for method in dit.make_objective(objective).METHODS
                   for cfg_scale in (1.0, 1.5)]
-
 
 @pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("objective, method, cfg_scale, precision", SAMPLING_CASES)
@@ -4989,7 +4674,6 @@ def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precisio
     assert run.out_avals[0].shape == (4, 8, 8, 4) and len(run.out_avals) == 1 + trajectory
     images = lower(sampler.finish, None, noise)
     assert images.out_avals[0].dtype == jnp.uint8
-
 
 @slow
 def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
@@ -5009,7 +4693,6 @@ def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
     decode = lower(sampler.finish, sampler.vae_params, spec((7, 8, 8, 4)))
     assert decode.out_avals[0].shape == (7, 16, 16, 3)
 
-
 @pytest.mark.parametrize("protocol", fid.PROTOCOLS)
 @slow
 def test_inception_lowers_for_tpu_and_cuda(inception, protocol):
@@ -5019,7 +4702,6 @@ def test_inception_lowers_for_tpu_and_cuda(inception, protocol):
     forward = lower(fid._inception_forward, graphdef, protocol, state,
                     spec((2, 32, 32, 3), jnp.uint8))
     assert [a.shape for a in forward.out_avals] == [(2, 2048), (2, 1008), (2, fid.SPATIAL_DIM)]
-
 
 def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     """On NVIDIA GPUs from Ampere on, 16-bit models attend with cuDNN's fused attention
@@ -5051,7 +4733,6 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
                 jax.eval_shape(lambda: jax.random.key(0)), **cuda)
     assert fused[0] in run.mlir_module()
 
-
 def lower_on_a_v3_8(vae_dir):
     """What a TPU v3-8's 8 cores compile, at TPUs' default precision, bfloat16 (run with 8 devices
     by the next test): train()'s programs with the batch split over the devices, and with FSDP; a
@@ -5082,7 +4763,6 @@ def lower_on_a_v3_8(vae_dir):
         spec((8, 16, 16, 3), jnp.uint8, split)).nr_devices
     return found
 
-
 @slow
 def test_programs_lower_for_the_8_cores_of_a_tpu_v3_8():
     script = (f"import json, sys; sys.path.insert(0, {HERE!r}); import test_dit; "
@@ -5096,7 +4776,6 @@ def test_programs_lower_for_the_8_cores_of_a_tpu_v3_8():
     assert found["data"] == {"devices": 8, "batch": ["data"], "split_state": 0}
     assert found["fsdp"]["devices"] == 8 and found["fsdp"]["split_state"] > 0
     assert found["sample"] == found["decode"] == found["encode"] == 8
-
 
 #################################################################################
 #                                                                               #
@@ -5114,12 +4793,10 @@ def test_programs_lower_for_the_8_cores_of_a_tpu_v3_8():
 # unpacks to that), so a reader that believed one and filled what it asked for would exceed this.
 MEMORY_BOUND_KIB = 1 << 20
 
-
 def _text(s):
     """BINUNICODE: a str, in any protocol from 1 on."""
     raw = s.encode()
     return b"X" + struct.pack("<I", len(raw)) + raw
-
 
 def payloads(marker):
     """{name: pickle bytes}, each of which creates `marker` when plain pickle loads it."""
@@ -5138,7 +4815,6 @@ def payloads(marker):
         "obj": b"(cos\nsystem\nS'" + command.encode() + b"'\no.",
     }
 
-
 def npy_header(shape, dtype):
     """The header of an .npy file (format 1.0) that announces `shape` and `dtype`."""
     f = io.BytesIO()
@@ -5147,13 +4823,11 @@ def npy_header(shape, dtype):
             "shape": shape})
     return f.getvalue()
 
-
 def write_zip_entries(path, entries):
     """A zip of the stored entries (name, data), whatever the data's own headers claim."""
     with zipfile.ZipFile(path, "w") as z:
         for name, data in entries:
             z.writestr(name, data)
-
 
 def write_overlapping_zip(path, plain, overlapping, kernel):
     """A zip holding the `plain` entries (name, data), then the `overlapping` ones, stored so that
@@ -5187,12 +4861,10 @@ def write_overlapping_zip(path, plain, overlapping, kernel):
     with open(path, "wb") as f:
         f.write(body + central + end)
 
-
 def gzip_bomb(head, mib):
     """gzip data that unpacks to `head` then `mib` MiB of zeros, in about a thousandth of that:
     one member of zeros, compressed once and repeated (a gzip file may hold many members)."""
     return gzip.compress(head) + gzip.compress(bytes(1 << 20)) * mib
-
 
 def write_checkpoint(path, latent_scale=None, **model):
     """A training checkpoint of a small DiT, laid out as save_checkpoint writes one (the values are
@@ -5208,14 +4880,12 @@ def write_checkpoint(path, latent_scale=None, **model):
     np.savez(path, __meta__=np.array(json.dumps(meta)), **arrays)
     return meta, arrays
 
-
 def tar_member(name, size, kind=tarfile.REGTYPE):
     """The 512-byte header of a tar member `name` that claims `size` bytes (base-256 beyond 8 GiB,
     as GNU tar writes it)."""
     info = tarfile.TarInfo(name)
     info.size, info.type = size, kind
     return info.tobuf(tarfile.GNU_FORMAT)
-
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory, folder_data):
@@ -5302,13 +4972,11 @@ def hostile(tmp_path_factory, folder_data):
     paths.update({name: str(d / name) for name in os.listdir(d) if name not in paths})
     return paths
 
-
 def folder_run(*extra):
     """`dit.py train` on the small image folder, into the run directory "run"."""
     return ["train", "--dataset", "folder", "--data-dir", "image_folder", "--resolution", "8",
             "--size", "XS", "--patch", "2", "--batch-size", "8", "--steps", "2", "--run-dir", "run",
             *extra]
-
 
 # (command, arguments, the file the error must name, what the error must say). `says` tells the
 # check that refused the file from an accident further on. Those in SUBPROCESS also run as a
@@ -5403,18 +5071,15 @@ SUBPROCESS = ["npz object array", "legacy GLOBAL+REDUCE", "prepare --vae builtin
               "train mnist gzip bomb", "train cifar10 gzip bomb",
               "train imagenet100 labels claim 2**40"]
 
-
 def _command(hostile, case):
     """(script, arguments, the file named, says) of a case, the paths absolute as a user could type
     them, so that the message can be checked for them."""
     script, args, named, says = COMMAND_CASES[case]
     return script, [hostile.get(a, a) for a in args], hostile[named], says
 
-
 def _one_clear_line(message, named, says):
     assert message.startswith("error: ") and "\n" not in message.strip(), message
     assert named in message and says in message, message
-
 
 @pytest.mark.parametrize("case", SUBPROCESS)
 @slow
@@ -5428,7 +5093,6 @@ def test_command_refuses_in_one_line(hostile, case):
     _one_clear_line(lines[0], named, says)
     assert not os.path.exists(hostile["marker"])
     assert peak_kib < MEMORY_BOUND_KIB, f"peak memory {peak_kib >> 10} MiB"
-
 
 @pytest.mark.parametrize("case", COMMAND_CASES)
 @slow
@@ -5454,11 +5118,9 @@ def test_command_refuses_in_one_line_in_process(hostile, case, monkeypatch):
     assert not os.path.exists(hostile["marker"])
     assert peak < 16 << 20, f"{peak >> 20} MiB allocated"
 
-
 #################################################################################
 #                 The same and more files, reader by reader                     #
 #################################################################################
-
 
 def _refused(read, path, says, error=dit.InputError):
     """Require `read(path)` to refuse the file, naming it and saying `says`, with at most 16 MiB
@@ -5473,7 +5135,6 @@ def _refused(read, path, says, error=dit.InputError):
         tracemalloc.stop()
     assert peak < 16 << 20, f"{path}: {peak >> 20} MiB allocated"
 
-
 def test_payloads_are_armed(tmp_path):
     """Plain pickle runs every payload here (which is why no reader may use it on a user's file):
     the marker staying away in the other tests means the readers refused them."""
@@ -5486,7 +5147,6 @@ def test_payloads_are_armed(tmp_path):
     with np.load(tmp_path / "object.npz", allow_pickle=True) as f:
         f["arr_0"]
     assert marker.exists()
-
 
 def test_hand_written_files_are_read_when_honest(tmp_path):
     """The writers above make files the readers accept, so a refusal below is of the lie alone."""
@@ -5515,7 +5175,6 @@ def test_hand_written_files_are_read_when_honest(tmp_path):
     model, objective, meta = dit.load_model(str(tmp_path / "small.npz"))
     assert model.cfg.hidden_size == 16 and isinstance(objective, dit.RectifiedFlow)
 
-
 def test_torch_reader_refuses_code_in_every_form(hostile, tmp_path):
     marker = tmp_path / "MARKER"
     names = {"global_reduce": "os.system", "eval": "builtins.eval",
@@ -5528,7 +5187,6 @@ def test_torch_reader_refuses_code_in_every_form(hostile, tmp_path):
             _refused(fid.load_torch, tmp_path / path, re.escape(names[name]),
                      dit.UnsafePickleError)
     assert not marker.exists() and not os.path.exists(hostile["marker"])
-
 
 def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
     _refused(dit.load_torch, hostile["zip_numel_2_40.pt"], f"claims {1 << 40} elements")
@@ -5575,7 +5233,6 @@ def test_torch_reader_checks_every_claim_before_allocating(hostile, tmp_path):
                {"0": kernel})
     _refused(dit.load_torch, tmp_path / "views.pt", "8 times the file's size")
 
-
 def test_npz_reader_checks_every_claim_before_allocating(hostile, tmp_path):
     _refused(dit.read_npz, hostile["object.npz"], "objects")
     _refused(dit.read_npz, hostile["header_2_40.npz"], r"claims shape \(1099511627776,\)")
@@ -5598,7 +5255,6 @@ def test_npz_reader_checks_every_claim_before_allocating(hostile, tmp_path):
     _refused(dit.read_npz, tmp_path / "overlap.npz", "more than the file holds")
     assert not (tmp_path / "MARKER").exists()
 
-
 def test_npz_reader_reads_what_numpy_writes(tmp_path):
     arrays = {"f": np.arange(12.0).reshape(3, 4), "fortran": np.asfortranarray(np.ones((3, 2))),
               "big_endian": np.arange(5, dtype=">i4"), "empty": np.zeros((0, 7), np.uint8),
@@ -5611,7 +5267,6 @@ def test_npz_reader_reads_what_numpy_writes(tmp_path):
             assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
             np.testing.assert_array_equal(got[name], want)
         assert set(dit.read_npz(str(tmp_path / "a.npz"), ["f", "absent"])) == {"f"}
-
 
 def test_safetensors_reader_checks_every_claim_before_allocating(hostile, tmp_path):
     read = dit.read_safetensors
@@ -5639,7 +5294,6 @@ def test_safetensors_reader_checks_every_claim_before_allocating(hostile, tmp_pa
     _refused(read, written("metadata.safetensors", {"__metadata__": {"model": 5}}),
              "__metadata__")
     _refused(read, written("nested.safetensors", b"[" * 100000), "not JSON")
-
 
 def test_checkpoint_reader_and_load_model_check_every_claim(hostile, tmp_path):
     _refused(dit.read_checkpoint, hostile["object.npz"], "objects.*delete it to resume")
@@ -5675,7 +5329,6 @@ def test_checkpoint_reader_and_load_model_check_every_claim(hostile, tmp_path):
         "FloatStorage", "0", 4, 0, (1, 1, 2, 2), (4, 4, 2, 1))}, {"0": bytes(16)})
     _refused(load, tmp_path / "foreign.pt", "not those of an official DiT")
 
-
 def test_idx_reader_reads_no_more_than_its_header_announces(hostile, tmp_path):
     _refused(read_idx, hostile["mnist_bomb/train-images-idx3-ubyte.gz"], "holds more")
     _refused(read_idx, hostile["mnist_huge/train-images-idx3-ubyte"],
@@ -5687,7 +5340,6 @@ def test_idx_reader_reads_no_more_than_its_header_announces(hostile, tmp_path):
     (tmp_path / "short.gz").write_bytes(gzip.compress(head[:4] + struct.pack(">2I", 10, 100)
                                                       + bytes(10)))
     _refused(read_idx, tmp_path / "short.gz", "the file holds 10")
-
 
 def test_cifar_reader_calls_nothing_and_reads_no_more_than_cifar_holds(hostile, tmp_path,
                                                                         monkeypatch):
@@ -5719,7 +5371,6 @@ def test_cifar_reader_calls_nothing_and_reads_no_more_than_cifar_holds(hostile, 
     _refused(load, archive("labels", batch=py2_pickle({"data": np.zeros((1, 3072), np.uint8),
                                                        "labels": ["cat"]})), "classes in 0-9")
 
-
 def test_imagenet100_files_are_checked(hostile, tmp_path):
     def load(path):
         return load_dataset("imagenet100", os.path.dirname(path))
@@ -5738,7 +5389,6 @@ def test_imagenet100_files_are_checked(hostile, tmp_path):
         _refused(load, folder / name, says)
     assert not (tmp_path / "MARKER").exists()
 
-
 def test_vae_config_is_checked_before_the_model_is_built(tmp_path):
     with open(tmp_path / "diffusion_pytorch_model.safetensors", "wb") as f:
         dit.write_safetensors(f, {"encoder.conv_in.bias": np.zeros(128, np.float32)}, {})
@@ -5748,7 +5398,6 @@ def test_vae_config_is_checked_before_the_model_is_built(tmp_path):
                          ('{"norm_num_groups": 3, "block_out_channels": [4]}', "norm_num_groups")]:
         (tmp_path / "config.json").write_text(config)
         _refused(load_vae, tmp_path, says)
-
 
 def test_tensorboard_holds_each_step_once(tmp_path, monkeypatch, capsys):
     """The records and grids go to TensorBoard's event files as they go to metrics.jsonl; a run
@@ -5779,7 +5428,6 @@ def test_tensorboard_holds_each_step_once(tmp_path, monkeypatch, capsys):
     assert "tensorboard package is not installed" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "without")
 
-
 def test_metrics_log_drops_lines_that_are_not_records(tmp_path):
     """A resumed run keeps the records up to its step; a damaged line goes, with no error."""
     (tmp_path / "metrics.jsonl").write_bytes(
@@ -5787,7 +5435,6 @@ def test_metrics_log_drops_lines_that_are_not_records(tmp_path):
         + b'\n{"step": 3}\n{"step": 2, "loss": 0.5}\n')
     dit.MetricsLog(str(tmp_path), 2, 8, None)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2, "loss": 0.5}\n'
-
 
 def test_statistics_and_images_name_the_file(tmp_path):
     np.savez(tmp_path / "text.npz", mu=np.array(["a", "b"]), sigma=np.array([["a"] * 2] * 2))
@@ -5799,7 +5446,6 @@ def test_statistics_and_images_name_the_file(tmp_path):
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(20))
     with pytest.raises(dit.InputError, match=re.escape(str(folder / "broken.png"))):
         fid.load_images(str(folder))
-
 
 def test_prepare_names_damaged_inputs_and_outputs(tmp_path, monkeypatch):
     src, out = tmp_path / "src", tmp_path / "out"
@@ -5835,7 +5481,6 @@ def test_prepare_names_damaged_inputs_and_outputs(tmp_path, monkeypatch):
     refused(partial, r"holds uint8 \(1, 4, 4, 3\), not uint8 \(1, 8, 8, 3\)")
     partial.write_bytes(partial.read_bytes()[:60])
     refused(partial, "damaged")
-
 
 def test_run_cli_prints_one_line_for_the_user_and_a_traceback_for_bugs():
     def fails(error):
