@@ -107,9 +107,8 @@ if __name__ == "__main__":
 #                                1. Configuration                               #
 #################################################################################
 
-# Hidden size, depth and heads of the four model sizes of Table 1 in the paper. With patch size 2,
-# 4 or 8 they give the twelve official configurations (DiT-S/2 ... DiT-XL/8). XS and XXS, below S,
-# are not in the paper: sizes that train in minutes on a CPU.
+# Hidden size, depth and heads of Table 1's four model sizes: with patch size 2, 4 or 8, the twelve
+# official DiT-S/2 ... DiT-XL/8. XS and XXS, not the paper's, train in minutes on a CPU.
 DIT_SIZES = {"S": dict(hidden_size=384, depth=12, num_heads=6),
              "B": dict(hidden_size=768, depth=12, num_heads=12),
              "L": dict(hidden_size=1024, depth=24, num_heads=16),
@@ -225,14 +224,11 @@ def sincos_pos_embed_2d(dim, grid):
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         out = np.outer(pos.reshape(-1), omega)  # (T, d/2)
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
-
-    rows, cols = np.meshgrid(np.arange(grid, dtype=np.float64), np.arange(grid, dtype=np.float64),
-                             indexing="ij")
+    rows, cols = np.indices((grid, grid), dtype=np.float64)
     return np.concatenate([embed_1d(dim // 2, cols), embed_1d(dim // 2, rows)], axis=1)
 
 class TimestepEmbedder(nnx.Module):
-    """Embeds scalar timesteps into vectors: sinusoidal features, then a two-layer MLP with SiLU.
-    The paper takes this embedding from ADM (Sec. 4, "Diffusion")."""
+    """Timesteps to vectors: sinusoidal features, then a two-layer MLP with SiLU (ADM's, Sec. 4)."""
 
     def __init__(self, hidden_size, freq_size=256, *, dtype, rngs):
         self.freq_size = freq_size
@@ -245,9 +241,8 @@ class TimestepEmbedder(nnx.Module):
         return self.mlp(timestep_embedding(t, self.freq_size))
 
 class LabelEmbedder(nnx.Module):
-    """Embeds class labels into vectors. With dropout_prob > 0, one extra row, the null label
-    `num_classes`, stands for "no class": labels are dropped to it at random during training, which
-    classifier-free guidance needs."""
+    """Embeds class labels. With dropout_prob > 0 an extra row, the null label `num_classes`, means
+    "no class": training drops labels to it at random, as classifier-free guidance needs."""
 
     def __init__(self, num_classes, hidden_size, dropout_prob, *, rngs):
         self.num_classes, self.dropout_prob = num_classes, dropout_prob
@@ -444,12 +439,12 @@ def count_params(model):
 # (B,) float32 timesteps on DiT's 0..1000 scale. The caller closes over labels and guidance, e.g.
 # model_fn = lambda x, t: model.forward_with_cfg(x, t, y, cfg_scale).
 #
-# Both answer the rest of the code through one interface of their own: `name` (what checkpoints
-# record, with the SETTINGS that rebuild it), `learn_sigma` (whether the model's output channels are
-# doubled), their samplers METHODS, a default method and step count, training_losses and losses_at
-# (per-sample losses (B,) and each sample's noise level in [0, 1], which `time_at` maps back to the
-# objective's own time), and sample(model_fn, noise, key, steps, method). `mask`, weights
-# broadcastable to the per-element loss (B, H, W, C), restricts each loss to the masked elements.
+# Both offer the rest of the code one interface: `name` (what checkpoints record, with the SETTINGS
+# that rebuild it), `learn_sigma` (whether output channels are doubled), the samplers METHODS, a
+# default method and step count, sample(model_fn, noise, key, steps, method, return_trajectory) ->
+# x0 or (x0, its steps+1 states from noise on), training_losses and losses_at (per-sample losses and
+# noise levels in [0, 1], (B,), the levels mapped to the objective's time by `time_at`). `mask`,
+# weights broadcastable to the elementwise loss (B, H, W, C), counts only the masked elements.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
@@ -516,7 +511,6 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
     with the outermost bins open-ended (Ho et al. 2020 eq. 13). x is data assumed in [-1, 1]."""
     def cdf(v):  # the official tanh approximation of the standard normal CDF, so the VLB matches
         return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3)))
-
     centered, inv_std = x - means, jnp.exp(-log_scales)
     cdf_plus = cdf(inv_std * (centered + 1.0 / 255.0))
     cdf_min = cdf(inv_std * (centered - 1.0 / 255.0))
@@ -569,22 +563,19 @@ class GaussianDiffusion:
         self.num_timesteps = len(self.betas)
 
         alphas = 1.0 - self.betas
-        self.alphas_cumprod = np.cumprod(alphas)
-        self.alphas_cumprod_prev = np.append(1.0, self.alphas_cumprod[:-1])
-        self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
-        self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
-        self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
-        self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
+        self.alphas_cumprod = abar = np.cumprod(alphas)
+        self.alphas_cumprod_prev = abar_prev = np.append(1.0, abar[:-1])
+        self.sqrt_alphas_cumprod = np.sqrt(abar)
+        self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - abar)
+        self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / abar)
+        self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / abar - 1.0)
         # q(x_{t-1} | x_t, x_0) = N(coef1 x_0 + coef2 x_t, posterior_variance), Ho et al. eq. 6-7
-        posterior_variance = (self.betas * (1.0 - self.alphas_cumprod_prev)
-                              / (1.0 - self.alphas_cumprod))
+        posterior_variance = self.betas * (1.0 - abar_prev) / (1.0 - abar)
         # the variance is 0 at t = 0; its log is clipped to the next value so that it stays finite
         self.posterior_log_variance_clipped = np.log(np.append(posterior_variance[1],
                                                                posterior_variance[1:]))
-        self.posterior_mean_coef1 = (self.betas * np.sqrt(self.alphas_cumprod_prev)
-                                     / (1.0 - self.alphas_cumprod))
-        self.posterior_mean_coef2 = ((1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas)
-                                     / (1.0 - self.alphas_cumprod))
+        self.posterior_mean_coef1 = self.betas * np.sqrt(abar_prev) / (1.0 - abar)
+        self.posterior_mean_coef2 = (1.0 - abar_prev) * np.sqrt(alphas) / (1.0 - abar)
 
     def _model_time(self, t):
         """Step indices (B,) -> the original timesteps the network was trained on, float32 (B,)."""
@@ -657,8 +648,7 @@ class GaussianDiffusion:
         """Walk this chain from t = T-1 down to 0, from noise (B, H, W, C): "ddpm" samples
         ancestrally, x_{t-1} ~ p(x_{t-1} | x_t), with fresh noise from key (official p_sample_loop);
         "ddim" is DDIM with eta = 0 (Song et al. 2021 eq. 12), deterministic, key unused (official
-        ddim_sample_loop). No clipping of the x_0 prediction, as DiT samples latents. Returns x0, or
-        (x0, trajectory (T+1, B, H, W, C) starting with noise) when asked."""
+        ddim_sample_loop). No clipping of the x_0 prediction, as DiT samples latents."""
         check_sampler(self, self.num_timesteps, method)
         if method == "ddpm" and key is None:
             raise ValueError("ancestral ('ddpm') sampling draws fresh noise: pass a PRNG key")
@@ -739,10 +729,8 @@ class RectifiedFlow:
         return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise, mask)
 
     def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
-        """Integrate dx/dt = v(x, t) from t = 1 (noise (B, H, W, C)) to t = 0 in `steps` equal
-        steps by integrate's "euler" or "heun"; key unused. Heun corrects the last step too, since
-        the velocity stays finite at t = 0. Returns x0 (B, H, W, C), or (x0, trajectory (steps+1,
-        B, H, W, C) starting with noise) when asked."""
+        """Integrate dx/dt = v(x, t) from noise at t = 1 to t = 0 in `steps` equal steps, "euler" or
+        "heun" (key unused); Heun corrects the last step too: the velocity is finite at t = 0."""
         check_sampler(self, steps, method)
         v = lambda x, t: self._velocity(model_fn, x, jnp.full((x.shape[0],), t))  # noqa: E731
         x, trajectory = integrate(v, noise, jnp.linspace(1.0, 0.0, steps + 1), method,
@@ -769,7 +757,6 @@ def integrate(f, x, times, method, return_trajectory=False):
         if method == "heun":
             x_next = x + (t_next - t) * 0.5 * (d + f(x_next, t_next))
         return x_next, (x_next if return_trajectory else None)
-
     return jax.lax.scan(step, x, (times[:-1], times[1:]))
 
 #################################################################################
@@ -781,9 +768,8 @@ def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
     0.999); optional linear warm-up and global gradient clipping. Returns (optimizer, schedule)."""
     schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
     adamw = optax.adamw(schedule, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=0.0)
-    if grad_clip:
-        return optax.chain(optax.clip_by_global_norm(grad_clip), adamw), schedule
-    return adamw, schedule
+    tx = optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip else adamw
+    return tx, schedule
 
 def new_train_state(model, tx):
     """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
@@ -869,9 +855,6 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 #                           PART II: BEYOND THE PAPER                           #
 #                                                                               #
 #################################################################################
-# What the harness's model adds to the paper, each idea a section to study as Part I's: memory
-# and speed, DiT+'s switches, a third objective, a cheaper training step. Like Part I, it uses no
-# name defined after it.
 
 #################################################################################
 #                              8. Memory and speed                              #
@@ -884,11 +867,10 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
 # f, recomputed in the backward pass; cached, so that two models built alike have equal graphdefs
 recomputed = functools.cache(jax.checkpoint)
 
-# What the backward pass recomputes instead of keeping, per block, under DiTPlus's `remat`. "dots"
-# keeps the outputs of the matrix products with weights (qkv, proj, the MLP's, adaLN's) and
-# recomputes norms, modulations, activations and attention from them: little extra compute for half
-# the memory of keeping everything (10 numbers per token and hidden unit, not 20). "full" keeps only
-# each block's input and recomputes the block: a third more compute, for models too big otherwise.
+# DiTPlus's `remat`, what each block recomputes in the backward pass: "dots" keeps the products with
+# weights (qkv, proj, the MLP's, adaLN's) and recomputes the rest (norms, modulations, activations,
+# attention), for little extra compute and half the memory (10 numbers per token and hidden unit,
+# not 20); "full" keeps each block's input only: a third more compute, for models too big otherwise.
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 
 def recompute_call(method, module, *args, remat):
@@ -915,10 +897,9 @@ def attention_implementation(dtype, head_dim, device=None):
     return "cudnn" if fused else "xla"
 
 def matmul_precision(dtype):
-    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in
-    TF32 (10 bits of mantissa), and on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes, and
-    where the caller chose a precision (jax.default_matmul_precision), as prepare_imagenet100.py
-    does for the VAE."""
+    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in TF32
+    (10-bit mantissas), on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes and where the caller
+    set a precision (jax.default_matmul_precision), as prepare_imagenet100.py does for the VAE."""
     if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()
@@ -926,7 +907,6 @@ def matmul_precision(dtype):
 #################################################################################
 #                     9. DiT+: the switches beyond the paper                    #
 #################################################################################
-# The switches of DiTConfig (ARCHS), each a change that later work found to help at DiT's scale.
 
 def rms_norm(x, eps=1e-6):
     """RMSNorm (Zhang & Sennrich 2019), the rms_norm switch's layer_norm: no mean is subtracted, so
@@ -940,7 +920,7 @@ def rope_tables(head_dim, grid):
     channel i + head_dim/2 by the patch's row times a frequency in the first half of the pairs, by
     its column in the second; each half's frequencies fall geometrically from 1 towards 1/10000."""
     freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
-    rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    rows, cols = np.indices((grid, grid))
     angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
     angles = np.concatenate([angles, angles], axis=1)                     # (T, head_dim)
     return np.cos(angles), np.sin(angles)
@@ -952,9 +932,8 @@ def apply_rope(x, cos, sin):
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
 
-# The patch of each token (B, T) while deferred masking's backbone runs on the tokens it kept
-# (below); None while the tokens are the whole grid in order. A context, as matmul_precision's,
-# rather than an argument, so that the paper's block (section 3) passes the tokens on unchanged.
+# Each token's patch (B, T) while deferred masking's backbone runs on the kept tokens, None on the
+# whole grid: a context, as matmul_precision's, so that the paper's block takes no new argument.
 kept_patches = contextvars.ContextVar("kept_patches", default=None)
 
 class DiTPlusAttention(Attention):
@@ -1037,8 +1016,7 @@ class DiTPlus(DiT):
             block.remat = remat
 
     def __call__(self, x, t, y, drop_key=None, forward=DiT.__call__):
-        """`forward(model, x, t, y, drop_key)`, the paper's or deferred masking's, with float32
-        products in float32."""
+        """`forward(self, x, t, y, drop_key)`, DiT's or deferred masking's, in matmul_precision."""
         with matmul_precision(self.dtype):
             return forward(self, x, t, y, drop_key)
 
@@ -1095,11 +1073,10 @@ class EDM:
         return self.losses_at(model_fn, x0, sigma, noise, mask)
 
     def sample(self, model_fn, noise, key, steps, method="heun", return_trajectory=False):
-        """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from
-        SIGMA_MAX * noise (noise (B, H, W, C)) over `steps` levels of the rho = 7 schedule to
-        SIGMA_MIN, then to 0; key unused. "heun" (their Algorithm 1) corrects each step but the last
-        (to 0, where Euler's step gives D(x; sigma) itself) with a second call; "euler" does not.
-        Returns x0, or (x0, trajectory (steps+1, B, H, W, C) starting with noise) when asked."""
+        """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from SIGMA_MAX *
+        noise over `steps` levels of the rho = 7 schedule to SIGMA_MIN, then to 0; key unused.
+        "heun" (their Algorithm 1) corrects each step but the last (to 0, where Euler's step gives
+        D(x; sigma) itself) with a second call; "euler" does not."""
         check_sampler(self, steps, method)
         hi, lo = self.SIGMA_MAX ** (1 / self.RHO), self.SIGMA_MIN ** (1 / self.RHO)
         sigmas = (hi + jnp.linspace(0.0, 1.0, steps) * (lo - hi)) ** self.RHO  # (steps,)
@@ -1209,8 +1186,7 @@ def flatten(tree):
     return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-# The arrays of a model that weight files hold: its parameters, and BatchNorm's statistics.
-WEIGHTS = nnx.Any(nnx.Param, nnx.BatchStat)
+WEIGHTS = nnx.Any(nnx.Param, nnx.BatchStat)  # what weight files hold: parameters, BatchNorm stats
 
 def named_params(model):
     """{dotted path: array} of a model's weights, as flatten names them."""
@@ -1271,8 +1247,7 @@ def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
         values[name] = to_torch_layout(name, value, inverse=True)
     return set_params(model, values)
 
-# What a DiT weight file that fails load_torch_weights' checks holds.
-DIT_WEIGHTS_FIX = "it holds another model size or configuration"
+DIT_WEIGHTS_FIX = "it holds another model size or configuration"  # load_torch_weights' `fix`
 
 def infer_dit_config(state_dict):
     """The DiTConfig of an official state dict's shapes (heads from the official sizes)."""
@@ -1320,10 +1295,9 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
 #                              13. The autoencoder                              #
 #################################################################################
 # DiT never sees pixels at 256x256: it models the 32x32x4 latents of the Stable Diffusion VAE
-# (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse). Below is that
-# autoencoder written layer for layer as diffusers 0.42 builds it (diffusers/models/autoencoders/
-# vae.py, unets/unet_2d_blocks.py, resnet.py, attention_processor.py), in NHWC, with a loader for
-# the released weights that needs neither torch nor the safetensors package.
+# (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse), here layer for
+# layer as diffusers 0.42 builds it (diffusers/models/autoencoders/vae.py, unets/unet_2d_blocks.py,
+# resnet.py, attention_processor.py) in NHWC; its weights load without torch or safetensors.
 
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
@@ -1334,8 +1308,7 @@ class VAEConfig:
     layers_per_block: int = 2
     norm_num_groups: int = 32
     latent_channels: int = 4
-    # DiT multiplies latents by this so they have roughly unit variance
-    scaling_factor: float = 0.18215
+    scaling_factor: float = 0.18215  # DiT multiplies latents by this for roughly unit variance
 
     @classmethod
     def from_json(cls, path):
@@ -1416,13 +1389,11 @@ class VAEAttention(nnx.Module):
         scores = jnp.einsum("bqc,bkc->bqk", q, k).astype(jnp.float32) / np.sqrt(C)  # (B, HW, HW)
         # the softmax's sums in float32 also when the layers compute in bfloat16
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v))
-        return x + out.reshape(B, H, W, C)
+        return x + self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v)).reshape(B, H, W, C)
 
 class VAEResample(nnx.Module):
-    """A 3x3 conv that halves the resolution (down: stride 2; diffusers pads left 0, right 1, top
-    0, bottom 1, a quirk of the original LDM code that the weights were trained with) or, after a
-    nearest-neighbour x2, keeps the doubled one (diffusers Upsample2D with use_conv=True)."""
+    """diffusers Downsample2D, a stride-2 3x3 conv padded by 1 right and bottom only (the LDM code's
+    quirk, which the weights learnt), or Upsample2D (use_conv=True): nearest x2, then a 3x3 conv."""
 
     def __init__(self, channels, down, *, dtype, rngs):
         self.down = down
@@ -1433,9 +1404,8 @@ class VAEResample(nnx.Module):
         return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 class VAEBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D (`down`) or UpDecoderBlock2D: `n` ResnetBlocks, then, if
-    `resample`, a VAEResample in a list named as diffusers names it (`downsamplers.0` or
-    `upsamplers.0`), so that loading weights maps names alone."""
+    """diffusers DownEncoderBlock2D (`down`) or UpDecoderBlock2D: `n` ResnetBlocks, then a
+    VAEResample if `resample`, named as in diffusers (`downsamplers.0`) so weights load by name."""
 
     def __init__(self, cin, cout, n, groups, down, resample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
@@ -1512,8 +1482,7 @@ class AutoencoderKL(nnx.Module):
         with matmul_precision(self.dtype):
             moments = self.quant_conv(self.encoder(x)).astype(jnp.float32)
         mean, logvar = jnp.split(moments, 2, axis=-1)
-        # the clamp diffusers' DiagonalGaussianDistribution applies
-        return mean, jnp.clip(logvar, -30.0, 20.0)
+        return mean, jnp.clip(logvar, -30.0, 20.0)  # as diffusers' DiagonalGaussianDistribution
 
     def decode(self, z):
         """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out) about [-1, 1], float32."""
@@ -1522,7 +1491,6 @@ class AutoencoderKL(nnx.Module):
             return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
 
 # --- The released VAE's weights ------------------------------------------------
-
 def vae_torch_names(model):
     """{diffusers name: our name} of our AutoencoderKL's parameters: torch_name's, as the module
     tree mirrors diffusers', but for to_out, a ModuleList([Linear, Dropout]) in diffusers."""
@@ -1552,15 +1520,14 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
             url = f"https://huggingface.co/stabilityai/sd-vae-ft-{source}/resolve/main/{fname}"
-            if not os.path.exists(os.path.join(folder, fname)):
-                try:
+            try:
+                if not os.path.exists(os.path.join(folder, fname)):
                     download(url, os.path.join(folder, fname))
-                except OSError as e:  # download's FileNotFoundError, with the cause
-                    raise InputError(
-                        f"cannot download {url} ({e}). Download config.json and "
-                        f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-{source} by "
-                        f"hand into {folder}, or pass the folder or weight file as the VAE source."
-                    ) from None
+            except OSError as e:  # download's FileNotFoundError, with the cause
+                raise InputError(f"cannot download {url} ({e}). Download config.json and "
+                                 f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-"
+                                 f"{source} by hand into {folder}, or pass the folder or weight "
+                                 f"file as the VAE source.") from None
         source = folder
     if os.path.isdir(source):
         found = [p for ext in ("safetensors", "bin")
@@ -1666,12 +1633,10 @@ def default_data_dir(name: str) -> str:
     return os.path.join(default_cache_dir(), "datasets", name)
 
 # --- MNIST ---------------------------------------------------------------------
-
 _MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
 _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's mnist.py lists them
     "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
-    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
-}
+    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432"}
 
 def _load_mnist(data_dir: str) -> Dataset:
     """The official MNIST IDX files, plain or gzipped, through read_idx (section 22); the 10,000
@@ -1697,20 +1662,17 @@ def _load_mnist(data_dir: str) -> Dataset:
     if len(x) != len(y):
         raise InputError(f"{images} holds {len(x)} images but {labels} holds {len(y)} labels; are "
                          f"they a pair?")
-    return Dataset("mnist", x[..., None], y.astype(np.int64), 10, [str(d) for d in range(10)],
-                   flip=False)
+    return Dataset("mnist", x[..., None], y.astype(np.int64), 10, list("0123456789"), flip=False)
 
 # --- CIFAR-10 ------------------------------------------------------------------
-
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 def _load_cifar10(data_dir: str) -> Dataset:
-    """The 50,000 CIFAR-10 training images of the official python-format release: its five
-    training batches and batches.meta, from an extracted cifar-10-batches-py/, else in one pass
-    from cifar-10-python.tar.gz (downloaded if missing), each through _unpickle_cifar and the
-    archive through _CappedGzip (section 22)."""
+    """The 50,000 training images of CIFAR-10's python release (five batches, batches.meta), from an
+    extracted cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if
+    missing); each unpickled by _unpickle_cifar, the archive read by _CappedGzip (section 22)."""
     for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(where, "data_batch_1")):
             found = {}
@@ -1735,8 +1697,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
                          for m in tar if m.isfile() and os.path.basename(m.name) in _CIFAR_FILES}
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # OSError: not gzip
             raise InputError(f"{where} is damaged ({e}); delete it and download it again") from None
-        missing = [name for name in _CIFAR_FILES if name not in found]
-        if missing:
+        if missing := [name for name in _CIFAR_FILES if name not in found]:
             raise InputError(f"{where} lacks {', '.join(missing)}; is it the python version of "
                              f"CIFAR-10 ({_CIFAR_URL})?")
     xs, ys = [], []
@@ -1761,16 +1722,14 @@ def _load_cifar10(data_dir: str) -> Dataset:
                    np.concatenate(ys).astype(np.int64), 10, names)
 
 # --- Image folder --------------------------------------------------------------
-
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff",
                     ".webp")
 
 def image_files(folder):
-    """(the images directly in `folder`, {each sub-folder: the images at any depth in it}), by
-    name, each list sorted: the folders of dit.py's 'folder' dataset, fid.py's and
-    prepare_imagenet100.py's class folders all walk here. An image is a file whose name ends in
-    IMAGE_EXTENSIONS (any case); names that start with "." are hidden (macOS's ._ files,
-    .ipynb_checkpoints) and skipped, files and folders alike."""
+    """(the images directly in `folder`, {each sub-folder: the images at any depth in it}), by name,
+    each list sorted; dit.py's 'folder' dataset, fid.py and prepare_imagenet100.py all walk here. An
+    image is a file whose name ends in IMAGE_EXTENSIONS (any case); names that start with "." are
+    hidden (macOS's ._ files, .ipynb_checkpoints) and skipped, files and folders alike."""
     def images(root, names):
         return [os.path.join(root, n) for n in names
                 if not n.startswith(".") and n.lower().endswith(IMAGE_EXTENSIONS)]
@@ -1784,8 +1743,7 @@ def image_files(folder):
                 dirs[:] = [d for d in dirs if not d.startswith(".")]  # pruned: not walked
                 found += images(root, files)
             subfolders[name] = sorted(found)
-    loose = [p for p in images(folder, names) if os.path.isfile(p)]
-    return loose, subfolders
+    return [p for p in images(folder, names) if os.path.isfile(p)], subfolders
 
 def center_crop_arr(pil_image, image_size):
     """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
@@ -1871,11 +1829,9 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
     return Dataset("folder", x[:len(kept)], y, len(class_names), class_names)
 
 # --- ImageNet-100 --------------------------------------------------------------
-
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
-    """What prepare_imagenet100.py writes: VAE latents (latents.npy), or pixels (images.npy, with
-    --pixels R), memory-mapped so that the whole set never has to fit in host memory; its JSON
-    through read_json (section 23)."""
+    """What prepare_imagenet100.py writes: VAE latents (latents.npy) or pixels (images.npy, with
+    --pixels R), memory-mapped: they need not fit in memory; JSON through read_json (section 23)."""
     hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
             f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
             f"the folder it wrote")
@@ -1936,7 +1892,6 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
                    latent_scale)
 
 # --- Load any ------------------------------------------------------------------
-
 def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
     """Load mnist, cifar10, folder or imagenet100 from data_dir (default: default_data_dir(name);
     required for 'folder'); resolution crops a folder's images, and must be the others' own size."""
@@ -1960,7 +1915,6 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
     raise ValueError(f"unknown dataset {name!r}; choose mnist, cifar10, folder or imagenet100")
 
 # --- Loader --------------------------------------------------------------------
-
 class Loader:
     """Endless stream of this process's share of each global batch, computed ahead by threads.
 
@@ -2082,17 +2036,15 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
     path = os.path.join(ckpt_dir, f"step_{step:07d}.npz")
     header = np.array(json.dumps({**meta, "step": step}))
     writes = local_disks or jax.process_index() == 0
-    # the arrays, and a generous allowance for the .npy and zip headers of each
-    needs = header.nbytes + sum(a.nbytes + 1024 for a in arrays.values())
+    needs = header.nbytes + sum(a.nbytes + 1024 for a in arrays.values())  # 1024: .npy, zip headers
     failure, free = None, None
     if writes:
         try:
             os.makedirs(ckpt_dir, exist_ok=True)
             free = shutil.disk_usage(ckpt_dir).free
             if free < needs:  # refused before a byte is written, rather than by a full disk
-                failure = "not enough space"
-            else:
-                write_atomically(path, lambda f: np.savez(f, __meta__=header, **arrays))
+                raise OSError("not enough space")
+            write_atomically(path, lambda f: np.savez(f, __meta__=header, **arrays))
         except OSError as e:
             failure = e.strerror or str(e)
     # Every process learns whether every copy is whole, before any older one is deleted (so that
@@ -2166,8 +2118,7 @@ def export_ema(ckpt_path, out_path):
                for name, value in named_params(model).items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
-    header = {key: json.dumps(meta.get(key))
-              for key in ("model", "objective", "latent_scale", "step")}
+    header = {k: json.dumps(meta.get(k)) for k in ("model", "objective", "latent_scale", "step")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
 
@@ -2318,17 +2269,14 @@ def split_cpu(batch_size):
     chosen = ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
               or jax.config.jax_num_cpu_devices != -1 or jax.distributed.is_initialized())
     if count > 1 and not chosen:
-        try:
+        with contextlib.suppress(RuntimeError):  # JAX has started: its devices stay
             jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:  # JAX has started: its devices stay
-            pass
 
 def use_compile_cache(directory):
-    """JAX's persistent compilation cache in `directory` ("": none), so that a run started again
-    with the same settings (a notebook after its time limit, a resumed job) compiles nothing, where
-    compiling takes minutes on a TPU: every program is kept, however fast it compiled (JAX keeps
-    those of a second or more). JAX takes the settings at a process's first compilation: a reset
-    lets a notebook's later runs change them."""
+    """JAX's persistent compilation cache in `directory` ("": none): a run started again with the
+    same settings (a notebook past its time limit, a resumed job) compiles nothing, where compiling
+    takes minutes on a TPU. Every program is kept, not only those of a second or more. JAX reads the
+    settings at a process's first compilation: a reset lets a notebook's later runs change them."""
     compilation_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", bool(directory))
     if directory:
@@ -2426,10 +2374,8 @@ def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, s
                    out_shardings=(shardings, None), donate_argnums=0)
 
 def make_mesh():
-    """A 1-D mesh, axis "data", over every device of every host. Auto axes: jit's partitioner lays
-    out each intermediate from the shardings of the inputs and outputs."""
-    return jax.make_mesh((jax.device_count(),), ("data",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    """A 1-D mesh "data" over all hosts' devices; Auto axes: jit lays out the intermediates."""
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 def state_shardings(abstract_state, mesh, fsdp):
     """Data parallel: every device holds the whole state. FSDP (ZeRO-3): parameters, EMA and Adam
@@ -2447,9 +2393,8 @@ def state_shardings(abstract_state, mesh, fsdp):
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a.shape)), abstract_state)
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
-    """(graphdef, state, shardings): the training state made directly in its shardings, so that a
-    model too large for one device is never whole on one; or read from `checkpoint`, without
-    initialising first (which would need the memory twice)."""
+    """(graphdef, state, shardings): the training state made in its shardings, never whole on one
+    device, or read from `checkpoint` without initialising first (twice the memory)."""
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
@@ -2535,10 +2480,9 @@ def on_every_host():
     except (InputError, OSError) as e:
         error = e
     if jax.process_count() > 1:
-        text = np.zeros(1024, np.uint8)  # the message, cut to a fixed size that every host gathers
-        raw = one_line(error).removeprefix("error: ").encode()[:len(text)] if error else b""
-        text[:len(raw)] = np.frombuffer(raw, np.uint8)
-        texts = multihost_utils.process_allgather(text)
+        raw = one_line(error).removeprefix("error: ").encode()[:1024] if error else b""
+        # the message, cut and padded to a fixed size that every host gathers
+        texts = multihost_utils.process_allgather(np.frombuffer(raw.ljust(1024, b"\0"), np.uint8))
         failed = np.flatnonzero(texts.any(axis=1))
         if len(failed):
             message = bytes(texts[failed[0]]).rstrip(b"\0").decode(errors="replace")
@@ -2620,13 +2564,10 @@ class TensorBoard:
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.writer = EventFileWriter(os.path.join(run_dir, "tensorboard"))
         # A resume: TensorBoard drops what was logged from this event's step on, as MetricsLog does.
-        start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-        self.writer.add_event(self.event(wall_time=time.time(), step=start + 1,
-                                         session_log=start_log))
+        self.write(start + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
 
-    def write(self, step, values):  # from scalars and image, which check for a writer
-        self.writer.add_event(self.event(wall_time=time.time(), step=step,
-                                         summary=self.summary(value=values)))
+    def write(self, step, **event):  # from scalars and image, which check for a writer
+        self.writer.add_event(self.event(wall_time=time.time(), step=step, **event))
         self.writer.flush()
 
     def scalars(self, record):
@@ -2634,9 +2575,9 @@ class TensorBoard:
         if self.writer:
             flat = {key if name is None else f"{key}/{name}": v for key, value in record.items()
                     for name, v in (value.items() if isinstance(value, dict) else [(None, value)])}
-            self.write(record["step"], [self.summary.Value(tag=k, simple_value=float(v))
-                                        for k, v in flat.items()
-                                        if isinstance(v, (int, float)) and k != "step"])
+            values = [self.summary.Value(tag=k, simple_value=float(v)) for k, v in flat.items()
+                      if isinstance(v, (int, float)) and k != "step"]
+            self.write(record["step"], summary=self.summary(value=values))
 
     def image(self, step, grid):
         if self.writer:
@@ -2644,7 +2585,8 @@ class TensorBoard:
             grid.save(png, format="PNG")
             image = self.summary.Image(encoded_image_string=png.getvalue(), height=grid.height,
                                        width=grid.width, colorspace=len(grid.getbands()))
-            self.write(step, [self.summary.Value(tag="samples", image=image)])
+            value = self.summary.Value(tag="samples", image=image)
+            self.write(step, summary=self.summary(value=[value]))
 
 def read_metrics(path):
     """The records of a metrics.jsonl, each a dict with a whole "step". A line that a killed run cut
@@ -3020,11 +2962,9 @@ def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, i
     return images, labels, scores
 
 def fid_record(scores):
-    """metrics.jsonl's fields of fid.evaluate's `scores`, as training and `sample --fid` log them
-    for `report`: the figures, their sample count and protocol."""
-    return {"fid_samples": scores["count"], "fid_protocol": scores["protocol"],
-            **{k: v for k, v in scores.items()
-               if np.ndim(v) == 0 and k not in ("count", "protocol")}}
+    """metrics.jsonl's record of fid.evaluate's `scores`: the figures, their count and protocol."""
+    rest = {k: v for k, v in scores.items() if np.ndim(v) == 0 and k not in ("count", "protocol")}
+    return {"fid_samples": scores["count"], "fid_protocol": scores["protocol"], **rest}
 
 # The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
@@ -3092,9 +3032,8 @@ class Evaluator:
             with on_every_host():
                 self.inception = fid_module().load_inception(args.inception)
                 self.reference = fid_module().load_reference(self.ref)
-        # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares.
-        # They are padded (by repeats of the first ones) to a multiple of the devices, so that
-        # any count splits over them; validation_losses leaves the padding out.
+        # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares;
+        # repeats pad them to a multiple of the devices, and validation_losses leaves those out.
         k = len(held_out)
         if k:
             eps = np.random.default_rng(0).standard_normal((k, *ds.input_shape), dtype=np.float32)
@@ -3106,8 +3045,7 @@ class Evaluator:
                 nnx.merge(graphdef, params), objective, x, y, jax.random.key(0), k).mean(axis=1))
 
     def __call__(self, params, step, log):
-        """The evaluations due after step `step`: the grid (samples/step_XXXXXXX.png of the run
-        directory, and TensorBoard), the validation loss at each of VAL_TIMES and its mean, FID."""
+        """The grid (samples/, TensorBoard), validation losses and FID due after step `step`."""
         args = self.args
         if step % args.sample_every == 0 or step == args.steps:
             images = self.grid_sampler(params, *self.grid)
@@ -3122,8 +3060,7 @@ class Evaluator:
             self.fid(params, step, args.fid_samples, log)
 
     def fid(self, params, step, n, log):
-        """FID-N and the other scores (fid.scores) of n samples, printed and logged with protocol
-        and count, or, lacking a reference, a note why."""
+        """Print and log FID-N and fid.py's other scores of n samples, or why there are none."""
         if not self.has_ref:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -3138,11 +3075,10 @@ class Evaluator:
 #                                 18. Benchmark                                 #
 #################################################################################
 
-# Dense bfloat16 (T4: float16) peak FLOP/s of one JAX device, for model FLOPs utilisation (MFU):
-# a GPU, or a TPU chip, but for TPU v2 and v3, whose chips' two cores are two JAX devices, each
-# with half its chip's peak (a v3 chip: 123 TFLOP/s). A TPU v4 or v5p chip's two cores are one
-# device ("megacore"); v5e and v6e chips have one core. TPUs go by their exact device_kind (v5e's
-# is "TPU v5 lite", v5p's "TPU v5"), GPUs by a name inside theirs ("NVIDIA H100 80GB HBM3").
+# Dense bfloat16 (T4: float16) peak FLOP/s of one JAX device, for model FLOPs utilisation (MFU): a
+# GPU or TPU chip, but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3:
+# 123 TFLOP/s a chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
+# exact device_kind (v5e's is "TPU v5 lite", v5p's "TPU v5"), GPUs by a part of theirs ("H100").
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12,
               "T4": 65e12, "TPU v2": 45e12 / 2, "TPU v3": 123e12 / 2, "TPU v4": 275e12,
               "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
@@ -3263,14 +3199,12 @@ def bench(args):
 #                                  19. Reports                                  #
 #################################################################################
 
-# `python dit.py report RUN [RUN ...] --out DIR`: a week's figure and table from run directories
-# alone. Nothing is evaluated again: every number is one that a run logged. metrics.jsonl records no
-# clock; a run's hours are the sum of its logged seconds per step, which leave out the evaluations
-# and checkpoints (MetricsLog.paused), so they are the hours of training.
+# `python dit.py report RUN [RUN ...] --out DIR`: a figure and a table of what runs logged, nothing
+# evaluated again. A run's hours are the sum of its logged seconds per step (metrics.jsonl has no
+# clock), which leave out evaluations and checkpoints (MetricsLog.paused): the hours of training.
 
 def run_of(path):
-    """The run directory that holds the weight file `path` (RUN/checkpoints/step_XXXXXXX.npz or
-    RUN/ema.safetensors), or None."""
+    """The run directory of a weight file (RUN/checkpoints/*.npz, RUN/ema.safetensors), or None."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.basename(folder) == "checkpoints":
         folder = os.path.dirname(folder)
@@ -3390,10 +3324,9 @@ def report_panels(runs, axis):
                [(i, run.x(run.val, axis), run.values(run.val, "val_loss_t", f"{t:g}"),
                  dict(marker="o")) for i, run in enumerate(runs)], [])
               for t in VAL_TIMES if validated]
-    # FID and the other scores: during training, a marker for each sample count and protocol; by
-    # the guidance scale of each run's newest `sample --fid` sweep, a colour and marker for each
-    # guidance setting and sample count. A line style for precision and recall. Each is named in
-    # the panel's legend where there are several.
+    # FID and the other scores: during training, a marker per sample count and protocol; by the
+    # guidance scale of each run's newest `sample --fid` sweep, a colour and marker per guidance
+    # setting and sample count; precision and recall by line style; legends where there are several.
     kinds = sorted({scored(r) for run in runs for r in run.fid})
     markers = {kind: dict(marker="os^vD<>"[j % 7]) for j, kind in enumerate(kinds)}
     trained, swept, swept_entries = [], [], []  # [(run index, xs, records, line options)]
@@ -3458,8 +3391,7 @@ def report_figure(runs, labels, axis):
     return fig
 
 def run_parameters(run_dir):
-    """The parameter count of the model in a run's newest checkpoint, read from its metadata
-    alone; None before the first checkpoint."""
+    """The parameter count of a run's newest checkpoint, from its metadata alone, or None."""
     found = list_checkpoints(run_dir)
     if not found:
         return None
@@ -3468,13 +3400,11 @@ def run_parameters(run_dir):
     return count_params(model_of_metadata(found[-1], meta, deepest, jnp.float32)[0])
 
 def report_table(runs, labels, out, curves):
-    """report.md's text: curves.png where it is drawn, a row per run, then the newest grid of each,
-    linked from `out`."""
+    """report.md's text: curves.png if drawn, a row per run, each newest grid linked from `out`."""
     lines = ["| run | settings | parameters | steps | hours | images/s (median) | val loss, last "
              "| val loss, best | latest FID |", "|" + " --- |" * 9]
     grids = []
     for run, label in zip(runs, labels):
-        step = run.train[-1]["step"]
         count = run_parameters(run.dir)
         val, val_steps = run.values(run.val, "val_loss"), [r["step"] for r in run.val]
         known = np.isfinite(val)
@@ -3484,7 +3414,7 @@ def report_table(runs, labels, out, curves):
         fid = run.fid[-1] if run.fid else None
         fid = f"{as_number(fid['fid']):.2f} ({scored(fid)}, step {fid['step']:,})" if fid else ""
         speed = np.nanmedian(run.values(run.train, "images_per_s"))
-        cells = [run.dir, f"`{label}`", f"{count:,}" if count else "", f"{step:,}",
+        cells = [run.dir, f"`{label}`", f"{count:,}" if count else "", f"{run.train[-1]['step']:,}",
                  f"{run.hours[1][-1]:.2f}", f"{speed:.1f}", last, best, fid]
         lines.append("| " + " | ".join(cells) + " |")
         samples = os.path.join(run.dir, "samples")
@@ -3551,12 +3481,10 @@ class OneLineParser(argparse.ArgumentParser):
 def _parsed(parse, expected, ok=lambda value: True):
     """An argparse type: `parse(text)` if it parses and `ok` accepts it, else an error."""
     def argument(text):
-        try:
+        with contextlib.suppress(ValueError):
             value = parse(text)
             if ok(value):
                 return value
-        except ValueError:
-            pass
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return argument
 
@@ -3564,8 +3492,7 @@ def _parsed(parse, expected, ok=lambda value: True):
 positive_int = _parsed(int, "a whole number of at least 1", lambda n: n >= 1)
 non_negative_int = _parsed(int, "a whole number of at least 0", lambda n: n >= 0)
 positive_float = _parsed(float, "a number above 0", lambda x: x > 0)
-float_list = _parsed(lambda text: [float(part) for part in text.split(",")],
-                     "comma-separated numbers")
+float_list = _parsed(lambda text: list(map(float, text.split(","))), "comma-separated numbers")
 
 @contextlib.contextmanager
 def errors_named(option):
@@ -3682,7 +3609,7 @@ def recipes_table():
     keys = list(RECIPES["mnist"])
     rows = [["dataset", *keys]] + [[name, *(str(r[k]) for k in keys)]
                                    for name, r in RECIPES.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(keys) + 1)]
+    widths = [max(map(len, column)) for column in zip(*rows)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "recipes (the defaults of each --dataset; any option overrides its value):\n  " + \
         "\n  ".join(lines)
@@ -3861,9 +3788,8 @@ def build_parser():
 
 def main(argv=None):
     """The command line, also callable from a notebook: main(["--dataset", "mnist"])."""
-    argv = list(argv) if argv is not None else sys.argv[1:]
-    if not argv or argv[0] not in ("train", "sample", "export", "bench", "report", "-h",
-                                   "--help"):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("train", "sample", "export", "bench", "report", "-h", "--help"):
         argv = ["train", *argv]
     args = build_parser().parse_args(argv)
     if args.command in ("train", "sample"):
@@ -3898,18 +3824,15 @@ def main(argv=None):
 #                     PART IV: APPENDIX, FILES FROM OUTSIDE                     #
 #                                                                               #
 #################################################################################
-# The readers of the files a user gives or a download brings: weight files, checkpoints, arrays,
-# MNIST's and CIFAR-10's files, JSON. (PIL decodes images, in load_image; numpy maps prepared .npy
-# files, in _load_imagenet100, checking their headers against their sizes; fid.py reads torch's
-# legacy format with the checks below.) What each reader guarantees:
-# - every claim of the file (a length, a shape, an offset, a count) is checked against the bytes
-#   really there before anything is allocated for it: a small file cannot ask for much memory;
-# - no code from the file runs: pickles go through safe_unpickle, which resolves only the names
-#   of an explicit table, and .npy files are read without pickle;
-# - a file that fails a check raises InputError naming the file and what to do, which the command
-#   lines print as one line (run_cli, section 20).
-# Part III calls forward into these readers: the one forward reference of the book, by design, so
-# that every reader of outside bytes stands together.
+# The readers of files from outside: weights, checkpoints, arrays, MNIST's and CIFAR-10's files,
+# JSON (PIL decodes images, in load_image; numpy maps prepared .npy files, in _load_imagenet100,
+# once their headers match their sizes; fid.py reads torch's legacy format with the checks below).
+# Part III calls forward into them, the book's one forward reference, so that every reader of
+# outside bytes stands together. Each guarantees:
+# - every claim of a file (a length, shape, offset or count) is checked against the bytes really
+#   there before anything is allocated for it: a small file cannot ask for much memory;
+# - no code from a file runs: safe_unpickle resolves only listed names; .npy is read without pickle;
+# - a file that fails a check raises InputError naming the file and what to do: one line (run_cli).
 
 #################################################################################
 #                  21. Pickles and PyTorch files, without torch                 #
@@ -3976,12 +3899,10 @@ def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
 
 # Storage classes as torch names them in a pickle -> element type of their raw bytes.
 # bfloat16 has no numpy type; it is read as uint16 and widened to float32 (exact) in _storage_array.
-_TORCH_STORAGE_DTYPES = {
-    "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
-    "BFloat16Storage": np.uint16, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
-    "BoolStorage": np.bool_,
-}
+_TORCH_STORAGE_DTYPES = {"DoubleStorage": np.float64, "FloatStorage": np.float32,
+                         "HalfStorage": np.float16, "BFloat16Storage": np.uint16,
+                         "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
+                         "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
 
 class _Record:
     """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets
@@ -4002,12 +3923,11 @@ class _StorageType(_Record):
         self.name, self.dtype = name, np.dtype(_TORCH_STORAGE_DTYPES[name])
 
 class _Storage(_Record):
-    """A tensor storage named in the pickle; its bytes are attached once they have been read."""
+    """A tensor storage named in the pickle; `data`, its 1-D array of numel elements, once read."""
     __slots__ = ("storage_type", "numel", "data")
 
     def __init__(self, storage_type, numel):
-        self.storage_type, self.numel = storage_type, numel
-        self.data = None  # 1-D numpy array of numel elements
+        self.storage_type, self.numel, self.data = storage_type, numel, None
 
 class _Tensor(_Record):
     """What `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks
@@ -4028,8 +3948,6 @@ _TORCH_ALLOWED = {
     ("argparse", "Namespace"): types.SimpleNamespace,
     **{("torch", name): _StorageType(name) for name in _TORCH_STORAGE_DTYPES},
 }
-
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first pickle of torch's legacy (non-zip) format
 
 def _storage_id(path, saved_id, file_size):
     """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it before
@@ -4094,10 +4012,8 @@ def _materialize(path, obj, file_size):
                                  f"by viewing the same data over and over; files of model weights "
                                  f"never do that, so it is damaged or crafted")
             left -= nbytes
-            view = np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size,
-                                                   [s * data.itemsize for s in obj.stride],
-                                                   writeable=False)
-            return np.array(view)
+            strides = [s * data.itemsize for s in obj.stride]
+            return np.array(np.lib.stride_tricks.as_strided(data[obj.offset:], obj.size, strides))
         if isinstance(obj, dict):
             return {k: convert(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -4147,8 +4063,7 @@ def _load_torch_zip(path, archive, file_size):
             if info.file_size != nbytes:
                 raise InputError(f"{path}: truncated or damaged file (storage {key!r} has "
                                  f"{info.file_size} bytes where {nbytes} were expected)")
-            raw = read(info, f"storage {key!r}")
-            storage.data = _storage_array(storage, raw, little_endian)
+            storage.data = _storage_array(storage, read(info, f"storage {key!r}"), little_endian)
         return storages[key]
 
     raw = read(archive.getinfo(pickles[0]), pickles[0])
@@ -4182,7 +4097,7 @@ def load_torch(path, legacy=None):
                 raise
             except (pickle.UnpicklingError, EOFError, ValueError, IndexError, struct.error) as e:
                 raise not_torch(f"{type(e).__name__}: {e}") from None
-            if magic != _LEGACY_MAGIC:
+            if magic != 0x1950A86A20F9469CFC6C:  # the first pickle of torch's legacy format
                 raise not_torch(f"it starts with {reprlib.repr(magic)}")
             if legacy is None:
                 raise InputError(f"{path}: torch's legacy format (torch.save before torch 1.6, or "
@@ -4251,9 +4166,8 @@ def _read_npy_member(path, archive, info, name):
         if version not in ((1, 0), (2, 0)):
             raise InputError(f"{path}: {name} is in .npy format {version}, which is not read here; "
                              f"save it with numpy.savez")
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, _, dtype = read_header(f)
+        shape, _, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0(f))
         if dtype.hasobject:
             raise InputError(f"{path}: {name} holds Python objects, which only pickle can read "
                              f"(and a pickle can run code); refused. Save plain numeric arrays")
@@ -4368,8 +4282,7 @@ def read_idx(path: str) -> np.ndarray:
         raise InputError(f"{path}: its header announces shape {shape} ({nbytes} bytes of data) but "
                          f"the file holds {'more' if len(data) > nbytes else len(data)}; it is "
                          f"truncated or damaged, {fix}")
-    return np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape).astype(
-        dtype.newbyteorder("="))
+    return np.frombuffer(data, dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 # CIFAR-10's python release: a gzipped tar of pickles, each a dict of numpy arrays.
 _CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
@@ -4387,11 +4300,8 @@ def _empty_array(cls, shape, dtype):
 
 # The official batches were pickled by Python 2 and numpy 1: an array is rebuilt from exactly these
 # globals. Nothing else may be called while unpickling, so a tampered archive cannot run code.
-_CIFAR_PICKLE_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
-    ("numpy", "ndarray"): _ARRAY_CLASS,
-    ("numpy", "dtype"): np.dtype,
-}
+_CIFAR_PICKLE_GLOBALS = {("numpy.core.multiarray", "_reconstruct"): _empty_array,
+                         ("numpy", "ndarray"): _ARRAY_CLASS, ("numpy", "dtype"): np.dtype}
 
 class _CappedGzip(gzip.GzipFile):
     """A gzip file that refuses to read past `limit` uncompressed bytes: tarfile allocates what a
