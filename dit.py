@@ -2564,10 +2564,13 @@ class TensorBoard:
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.writer = EventFileWriter(os.path.join(run_dir, "tensorboard"))
         # A resume: TensorBoard drops what was logged from this event's step on, as MetricsLog does.
-        self.write(start + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+        start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self.writer.add_event(self.event(wall_time=time.time(), step=start + 1,
+                                         session_log=start_log))
 
-    def write(self, step, **event):  # from scalars and image, which check for a writer
-        self.writer.add_event(self.event(wall_time=time.time(), step=step, **event))
+    def write(self, step, values):  # from scalars and image, which check for a writer
+        self.writer.add_event(self.event(wall_time=time.time(), step=step,
+                                         summary=self.summary(value=values)))
         self.writer.flush()
 
     def scalars(self, record):
@@ -2575,9 +2578,9 @@ class TensorBoard:
         if self.writer:
             flat = {key if name is None else f"{key}/{name}": v for key, value in record.items()
                     for name, v in (value.items() if isinstance(value, dict) else [(None, value)])}
-            values = [self.summary.Value(tag=k, simple_value=float(v)) for k, v in flat.items()
-                      if isinstance(v, (int, float)) and k != "step"]
-            self.write(record["step"], summary=self.summary(value=values))
+            self.write(record["step"], [self.summary.Value(tag=k, simple_value=float(v))
+                                        for k, v in flat.items()
+                                        if isinstance(v, (int, float)) and k != "step"])
 
     def image(self, step, grid):
         if self.writer:
@@ -2585,8 +2588,7 @@ class TensorBoard:
             grid.save(png, format="PNG")
             image = self.summary.Image(encoded_image_string=png.getvalue(), height=grid.height,
                                        width=grid.width, colorspace=len(grid.getbands()))
-            value = self.summary.Value(tag="samples", image=image)
-            self.write(step, summary=self.summary(value=[value]))
+            self.write(step, [self.summary.Value(tag="samples", image=image)])
 
 def read_metrics(path):
     """The records of a metrics.jsonl, each a dict with a whole "step". A line that a killed run cut
