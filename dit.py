@@ -403,7 +403,8 @@ class DiT(nnx.Module):
         x = x.reshape(x.shape[0], g, g, p, p, -1).transpose(0, 1, 3, 2, 4, 5)
         return x.reshape(x.shape[0], g * p, g * p, -1).astype(jnp.float32)
 
-    def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None):
+    def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None,
+                         guide=None):
         """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official
         sampler uses it. The batch is two halves, conditional labels first and null labels second;
         the first half of x serves both (the second half is ignored), and both halves get the guided
@@ -411,7 +412,9 @@ class DiT(nnx.Module):
         are guided: the official FID figures (2.27 for DiT-XL/2 at scale 1.5) used 3 of the 4 latent
         channels; None guides the noise or velocity, never a learned variance. `interval`, a pair
         (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise range, elsewhere sampling
-        conditionally (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval")."""
+        conditionally (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval").
+        `guide`, (another network's prediction for the first half, weight w), adds autoguidance's
+        term (w - 1) * (cond - guide) beside CFG's, at every step (`sample`)."""
         half = x[: x.shape[0] // 2]
         out = self(jnp.concatenate([half, half]), t, y)              # (2B, H, W, C_out)
         C = self.cfg.in_channels
@@ -421,6 +424,8 @@ class DiT(nnx.Module):
         if interval is not None:
             scale = jnp.where((t >= interval[0]) & (t <= interval[1]), scale, 1.0)
         mixed = uncond + scale[: half.shape[0], None, None, None] * (cond - uncond)
+        if guide is not None:
+            mixed = mixed + (guide[1] - 1) * (cond - guide[0][..., :n])
         return jnp.concatenate([jnp.concatenate([mixed, mixed]), out[..., n:]], axis=-1)
 
 def count_params(model):
@@ -834,20 +839,32 @@ def check_guidance(cfg, cfg_scale):
                          f"dropout, so it has no null label to guide with; sample at scale 1")
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
-           interval=None, return_trajectory=False):
+           interval=None, guide=None, guide_scale=1.0, return_trajectory=False):
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
-    Pure; jit it. A model without classes samples unguided at any scale."""
+    With a `guide` and guide_scale w != 1, autoguidance (Karras et al. 2024, "Guiding a diffusion
+    model with a bad version of itself"): a weaker network of the same data, such as an earlier
+    EMA of the same run, predicts too, and the prediction becomes guide + w * (model - guide),
+    beside CFG's term as their Appendix B.2 combines the two. Guided are the same channels as by
+    CFG; the interval limits CFG alone. Pure; jit it. A model without classes samples without CFG."""
     check_guidance(model.cfg, cfg_scale)
+    n = noise.shape[0]
+    autoguided = guide is not None and guide_scale != 1
     if cfg_scale != 1 and model.cfg.num_classes:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
-            x, t, y2, cfg_scale, guidance_channels, interval)
+            x, t, y2, cfg_scale, guidance_channels, interval,
+            (guide(x[:n], t[:n], y), guide_scale) if autoguided else None)
+    elif autoguided:
+        x, c = noise, min(guidance_channels or model.cfg.in_channels, model.cfg.in_channels)
+
+        def model_fn(x, t):
+            out, worse = model(x, t, y), guide(x, t, y)              # (B, H, W, C_out) each
+            return out.at[..., :c].add((guide_scale - 1) * (out[..., :c] - worse[..., :c]))
     else:
         x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
     out = objective.sample(model_fn, x, key, steps, method, return_trajectory=return_trajectory)
-    n = noise.shape[0]
     return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
 
 #################################################################################
@@ -2026,10 +2043,12 @@ def write_atomically(path, write):
     finally:
         os.close(dir_fd)
 
-def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
+def save_checkpoint(run_dir, state, meta, keep, local_disks=False, keep_ema=()):
     """Save the training state as checkpoints/step_XXXXXXX.npz, keep the newest `keep`, return its
-    path. Process 0 writes it (or each process, where hosts share no disk: open_run). A failed write
-    (full disk, read-only folder) stops all processes with one line; older ones stay whole."""
+    path; at a step of `keep_ema`, its EMA weights also as ema/step_XXXXXXX.safetensors, which no
+    rotation deletes: the guides of autoguidance. Process 0 writes them (or each process, where
+    hosts share no disk: open_run). A failed write (full disk, read-only folder) stops all processes
+    with one line; older ones stay whole."""
     arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}  # every process joins
     step = int(arrays["step"])
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -2061,6 +2080,9 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False):
         raise InputError(f"process {int(np.argmax(failed))} could not write the checkpoint of step "
                          f"{step}; its message says why")
     if writes:
+        if step in keep_ema:
+            os.makedirs(os.path.join(run_dir, "ema"), exist_ok=True)
+            export_ema(path, os.path.join(run_dir, "ema", f"step_{step:07d}.safetensors"))
         for old in list_checkpoints(run_dir)[:-keep]:
             os.remove(old)
     return path
@@ -2706,7 +2728,7 @@ def train(args):
     masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
                                     args.seed, mesh, shardings, m) for m in (masking, None))
     unmask_at = args.steps if args.unmask_at is None else args.unmask_at
-    evaluator = Evaluator(args, graphdef, objective, mesh, ds, held_out)
+    evaluator = Evaluator(args, cfg, graphdef, objective, mesh, ds, held_out)
 
     # The loop: a step on each global batch (from each process's share), then records, evaluations
     # and checkpoints at their intervals, until the end or a Stop (the same step on all processes).
@@ -2731,7 +2753,8 @@ def train(args):
             with log.paused():  # the checkpoint last: a run resumed from it keeps its records
                 evaluator(state["ema"], done, log)
                 if done % args.ckpt_every == 0 or last:
-                    saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks)
+                    saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks,
+                                            args.keep_ema)
             if stopped:
                 break
     if stopped and jax.process_index() == 0:
@@ -2819,6 +2842,27 @@ def load_model(path, dtype=jnp.float32):
     return (load_dit_checkpoint(path, dtype=dtype), GaussianDiffusion(),
             {"objective": {"name": "ddpm"}, "latent_scale": VAEConfig().scaling_factor})
 
+def load_guide(path, cfg, objective, latent_scale, model_path, dtype=jnp.float32):
+    """(model, metadata) in `path` that autoguides the model of configuration cfg, objective and
+    latent_scale in model_path: refused in one line naming both where it predicts another thing."""
+    guide, guide_objective, guide_meta = load_model(path, dtype)
+    a, b = cfg, guide.cfg
+    differ = [f"{k.replace('_', ' ')} {getattr(b, k)} against {getattr(a, k)}"
+              for k in ("input_size", "in_channels", "patch_size", "num_classes")
+              if getattr(a, k) != getattr(b, k)]
+    # what the sampler reads of the objective: its name, and EDM's preconditioning
+    sampled = lambda o: f"{o.name}" + (f" (sigma_data {o.sigma_data})"  # noqa: E731
+                                      if hasattr(o, "sigma_data") else "")
+    differ += [f"{what} {theirs} against {ours}" for what, theirs, ours in (
+        ("objective", sampled(guide_objective), sampled(objective)),
+        ("latent scale", guide_meta.get("latent_scale"), latent_scale))
+        if theirs != ours]
+    if differ:
+        raise InputError(f"{path} cannot guide {model_path}: {', '.join(differ)}; a guide "
+                         f"is an earlier EMA of the same run (RUN/ema/) or a smaller model trained "
+                         f"on the same data")
+    return guide, guide_meta
+
 def to_uint8(images):
     """Model-space images in [-1, 1] -> uint8, rounded as the official sample_ddp.py does."""
     return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
@@ -2857,16 +2901,24 @@ def load_decoder(source, channels, dtype):
 class Sampler:
     """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
     mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time of each stage."""
+    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time of each stage.
+    `guide`, a model whose weights go to every device once, autoguides as sample() says."""
 
-    def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, **options):
+    def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, guide=None,
+                 **options):
         # options: sample()'s (steps, method, cfg_scale, ..., return_trajectory)
         self.trajectory = options.get("return_trajectory", False)
         batch = NamedSharding(mesh, P("data"))
-        def run(params, noise, y, key):  # named, as the compilation logs and profiles name it
-            return sample(nnx.merge(graphdef, params), objective, noise, y, key, **options)
+        guide_graphdef = nnx.graphdef(guide) if guide is not None else None
+        self.guide_params = (jax.device_put(nnx.state(guide, nnx.Param), NamedSharding(mesh, P()))
+                             if guide is not None else None)
 
-        self.run = jax.jit(run, in_shardings=(None, batch, batch, None))
+        def run(params, guide_params, noise, y, key):  # named, as compilation logs and profiles say
+            guide = nnx.merge(guide_graphdef, guide_params) if guide_graphdef else None
+            return sample(nnx.merge(graphdef, params), objective, noise, y, key, guide=guide,
+                          **options)
+
+        self.run = jax.jit(run, in_shardings=(None, None, batch, batch, None))
         # Samples are decoded and made uint8 on the device too: only bytes travel to the host.
         vae_graphdef, vae_params = nnx.split(vae) if vae is not None else (None, None)
         self.vae_params = jax.device_put(vae_params, NamedSharding(mesh, P()))
@@ -2893,7 +2945,7 @@ class Sampler:
         """Images (B, H', W', C') of noise (B, H, W, C) and labels (B,), and with return_trajectory,
         an animation's frames (F, B, H', W', C'): <= 60 evenly spaced steps, noise first."""
         start = time.perf_counter()
-        out = jax.block_until_ready(self.run(params, noise, y, key))
+        out = jax.block_until_ready(self.run(params, self.guide_params, noise, y, key))
         sampled = time.perf_counter()
         if self.trajectory:
             x, traj = out
@@ -3008,16 +3060,22 @@ class Evaluator:
     """What a training run evaluates of its EMA weights (__call__): grids from the same noise and
     labels each time, so that they compare; FID against --fid-ref or the prepared ImageNet-100's."""
 
-    def __init__(self, args, graphdef, objective, mesh, ds, held_out):
-        with on_every_host():  # each host's own VAE weights
+    def __init__(self, args, cfg, graphdef, objective, mesh, ds, held_out):
+        scores = bool(args.fid_every or args.final_fid)
+        with on_every_host():  # each host's own VAE weights, and guide
             vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
                    if ds.is_latent else None)
+            guide = (load_guide(args.fid_guide, cfg, objective, ds.latent_scale, args.run_dir,
+                                compute_dtype(args.precision))[0]
+                     if scores and args.fid_guide and args.fid_guide_scale != 1 else None)
         sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
                                     latent_scale=ds.latent_scale, steps=args.sample_steps,
                                     method=objective.default_method)
         self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
-        if args.fid_every or args.final_fid:
-            self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale)
+        if scores:  # at the setting that a guidance sweep found best
+            self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale,
+                                       interval=args.fid_guidance_interval, guide=guide,
+                                       guide_scale=args.fid_guide_scale)
         batch, n = NamedSharding(mesh, P("data")), device_multiple(16)
         # the grid's inputs, made once where the sampler takes them: an evaluation moves nothing
         self.grid = jax.jit(lambda: (
@@ -3331,36 +3389,54 @@ def report_panels(runs, axis):
     # setting and sample count; precision and recall by line style; legends where there are several.
     kinds = sorted({scored(r) for run in runs for r in run.fid})
     markers = {kind: dict(marker="os^vD<>"[j % 7]) for j, kind in enumerate(kinds)}
-    trained, swept, swept_entries = [], [], []  # [(run index, xs, records, line options)]
+    trained = []  # [(run index, xs, records, line options)]
+    # sweeps by CFG's scale and by autoguidance's weight: lines as trained's, legend entries
+    swept = {"guidance scale": ([], []), "autoguidance weight w": ([], [])}
     for i, run in enumerate(runs):
         for kind in kinds:
             group = [r for r in run.fid if scored(r) == kind]
             trained += [(i, run.x(group, axis), group, markers[kind])] if group else []
         newest = [r for r in run.sweep if r["step"] == run.sweep[-1]["step"]]
-        settings = {}  # (guidance interval, guided channels, how scored) -> {scale: record}
-        for r in newest:  # the newest record of each scale
+        # A line per setting but the axis's: CFG's scale, or autoguidance's weight from 1 (the
+        # model alone at that CFG scale) on; the newest record of each point.
+        by_scale, by_weight = {}, {}  # (interval, guided channels, how scored[, ...]) -> {x: record}
+        for r in sorted(newest, key=lambda r: bool(r.get("guide"))):  # the unguided first
             setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r))
-            settings.setdefault(setting, {})[as_number(r["cfg_scale"])] = r
-        for j, ((interval, channels, kind), by_scale) in enumerate(settings.items()):
-            style, scales = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7]), sorted(by_scale)
-            swept.append((i, np.array(scales), [by_scale[s] for s in scales], style))
-            where = "" if interval == "None" else f", guided in {interval}"
-            which = "" if channels in (None, "all") else f", {channels} channels guided"
-            swept_entries.append((f"step {newest[0]['step']:,}, {kind}{where}{which}", style))
+            scale, weight = as_number(r["cfg_scale"]), as_number(r.get("guide_scale", 1))
+            if r.get("guide") and weight != 1:
+                line = by_weight.setdefault((*setting, scale, r["guide"]), {})
+                line[weight] = r
+                if scale in by_scale.get(setting, {}):
+                    line[1.0] = by_scale[setting][scale]
+            else:
+                by_scale.setdefault(setting, {})[scale] = r
+        for name, lines in zip(swept, (by_scale, by_weight)):
+            for j, ((interval, channels, kind, *guided), points) in enumerate(lines.items()):
+                style, xs = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7]), sorted(points)
+                swept[name][0].append((i, np.array(xs), [points[x] for x in xs], style))
+                where = "" if interval == "None" else f", CFG in {interval}"
+                which = "" if channels in (None, "all") else f", {channels} channels guided"
+                by = (f", CFG {guided[0]:g}, guide {os.path.basename(guided[1])}" if guided
+                      else "")
+                swept[name][1].append(
+                    (f"step {newest[0]['step']:,}, {kind}{by}{where}{which}", style))
     styles = {"precision": dict(linestyle="-"), "recall": dict(linestyle="--")}
     scores, sweeps = [], []
+    values = lambda lines, keys: [  # noqa: E731
+        (i, xs, RunRecords.values(group, key), {**style, **styles.get(key, {})})
+        for i, xs, group, style in lines for key in keys]
     for keys, title in SCORE_PANELS:
         by_key = [(key, styles[key]) for key in keys] if len(keys) > 1 else []
-        during, guided = ([(i, xs, RunRecords.values(group, key), {**style, **styles.get(key, {})})
-                           for i, xs, group, style in lines for key in keys]
-                          for lines in (trained, swept))
+        during = values(trained, keys)
         if any(np.isfinite(ys).any() for _, _, ys, _ in during):
             by_kind = [(kind, markers[kind]) for kind in kinds] if len(kinds) > 1 else []
             ylabel = title if len(kinds) > 1 else f"{title} ({kinds[0]})"
             scores.append((f"{title} during training", xlabel, ylabel, during, by_kind + by_key))
-        if guided and title in ("FID", "Precision and Recall"):
-            sweeps.append((f"{title} by guidance (sample --fid)", "guidance scale", title,
-                           guided, swept_entries + by_key))
+        for x, (lines, entries) in swept.items():
+            if lines and title in ("FID", "Precision and Recall"):
+                what = "guidance" if x == "guidance scale" else "autoguidance"
+                sweeps.append((f"{title} by {what} (sample --fid)", x, title, values(lines, keys),
+                               entries + by_key))
     return [row for row in (training, levels, scores, sweeps) if row]
 
 def report_figure(runs, labels, axis):
@@ -3495,6 +3571,7 @@ positive_int = _parsed(int, "a whole number of at least 1", lambda n: n >= 1)
 non_negative_int = _parsed(int, "a whole number of at least 0", lambda n: n >= 0)
 positive_float = _parsed(float, "a number above 0", lambda x: x > 0)
 float_list = _parsed(lambda text: list(map(float, text.split(","))), "comma-separated numbers")
+int_list = _parsed(lambda text: list(map(int, text.split(","))), "comma-separated whole numbers")
 
 @contextlib.contextmanager
 def errors_named(option):
@@ -3507,19 +3584,26 @@ def errors_named(option):
 
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
-    scores, once per guidance setting (every --cfg-scale with every --guidance-interval), each from
-    the same noise, so that their rows compare. The scores of a run's weights join its
+    scores, once per guidance setting (every --cfg-scale with every --guidance-interval and every
+    --guide at every --guide-scale), each from the same noise, so that their rows compare. The scores of a run's weights join its
     metrics.jsonl, each with its guidance setting, for `report`."""
     mesh = make_mesh()
     scales = args.cfg_scale or [FID_CFG_SCALE if args.fid else GRID_CFG_SCALE]
-    settings = list(itertools.product(scales, args.guidance_interval or [None]))
+    if bool(args.guide) != bool(args.guide_scale):
+        raise InputError("--guide and --guide-scale go together: the guide's weights, and the "
+                         "weight w of guide + w * (model - guide), e.g. 2 (1: the model alone)")
+    # autoguidance's settings, (guide, weight); at weight 1 the model alone, whatever the guide
+    guides = list(dict.fromkeys((None, 1.0) if w == 1 else (guide, w)
+                                for guide in args.guide or [None]
+                                for w in args.guide_scale or [1.0]))
+    settings = list(itertools.product(scales, args.guidance_interval or [None], guides))
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
             raise InputError("--gif animates a grid; it does not go with --fid")
     elif len(settings) > 1:
-        raise InputError("several --cfg-scale values or --guidance-interval ranges are compared by "
-                         "their FID: give --fid N")
+        raise InputError("several --cfg-scale values, --guidance-interval ranges or guides are "
+                         "compared by their FID: give --fid N")
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     with on_every_host():  # each host reads its own copy of each
         fid = fid_module() if args.fid and args.ref else None
@@ -3528,6 +3612,9 @@ def sample_command(args):
         cfg, latent_scale = model.cfg, meta.get("latent_scale")
         vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
                if latent_scale else None)
+        guide_models = {path: load_guide(path, cfg, objective, latent_scale, args.ckpt,
+                                         compute_dtype(args.precision))
+                        for path in dict.fromkeys(g for g, _ in guides if g)}
         if reference:
             say("loading the Inception network of the scores")
         inception = fid.load_inception(args.inception) if reference else None
@@ -3550,14 +3637,31 @@ def sample_command(args):
         latent_scale=latent_scale, return_trajectory=bool(args.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
+
+    def sampler_of(scale, interval, guide):
+        path, w = guide
+        return make_sampler(cfg_scale=scale, interval=interval,
+                            guide=guide_models[path][0] if path else None, guide_scale=w)
+
+    def described(scale, interval, guide):
+        """The setting as a row names it, and as a file name ends."""
+        path, w = guide
+        text = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval
+                                        else "")
+        suffix = f"_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval else "")
+        if path:
+            name = os.path.splitext(os.path.basename(path))[0]
+            text += f", autoguidance {w:g} by {path}"
+            suffix += f"_ag{w:g}-{name}"
+        return text, suffix
+
     if not args.fid:
-        scale, interval = settings[0]
-        sampler = make_sampler(cfg_scale=scale, interval=interval)
+        sampler = sampler_of(*settings[0])
         n = device_multiple(args.n)
         labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
                   else spread_labels(n, cfg.num_classes))
         noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
-        say(f"sampling {n} images ({method}, {steps} steps, guidance {scale:g})")
+        say(f"sampling {n} images ({method}, {steps} steps, {described(*settings[0])[0]})")
         out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
         images, trajectory = out if args.gif else (out, None)
         if jax.process_index() != 0:
@@ -3576,10 +3680,8 @@ def sample_command(args):
     run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     root, ext = os.path.splitext(args.out or "samples.npz")
     scores = {}
-    for scale, interval in settings:
-        setting = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval
-                                           else "")
-        suffix = f"_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval else "")
+    for scale, interval, (guide, w) in settings:
+        setting, suffix = described(scale, interval, (guide, w))
         out = root + (suffix if len(settings) > 1 else "") + ext
 
         def save(images, labels):
@@ -3589,16 +3691,18 @@ def sample_command(args):
             if reference:
                 say(f"scoring them against {args.ref}")
         say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
-        *_, result = sample_and_score(make_sampler(cfg_scale=scale, interval=interval), params,
-                                      args.fid, args.batch_size, shape, cfg.num_classes,
-                                      args.seed, inception, reference, save)
+        *_, result = sample_and_score(sampler_of(scale, interval, (guide, w)), params, args.fid,
+                                      args.batch_size, shape, cfg.num_classes, args.seed,
+                                      inception, reference, save)
         if result:
             print(f"{setting}: {fid.describe(result)}")
             scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
             if run_dir and jax.process_index() == 0:
                 record = {"step": meta["step"], "cfg_scale": scale, "guidance_interval": interval,
-                          "guidance_channels": args.guidance_channels, "sampler": method,
-                          "sample_steps": steps, **fid_record(result)}
+                          "guidance_channels": args.guidance_channels, "guide": guide,
+                          "guide_step": guide_models[guide][1].get("step") if guide else None,
+                          "guide_scale": w, "sampler": method, "sample_steps": steps,
+                          **fid_record(result)}
                 with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(record) + "\n")
     if run_dir and reference:
@@ -3700,6 +3804,9 @@ def build_parser():
     t.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
     t.add_argument("--keep", type=positive_int, default=3,
                    help="checkpoints kept (the newest is what a run resumes from)")
+    t.add_argument("--keep-ema", type=int_list, metavar="STEPS", help="steps whose EMA weights "
+                   "stay in RUN/ema/ as guides for autoguidance, comma-separated (default: "
+                   "--ckpt-every times 1, 2, 4, 8, ...)")
     t.add_argument("--time-limit", type=duration, metavar="DURATION",
                    help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before a "
                    "notebook or job ends (as Ctrl-C and SIGTERM do); the same command continues")
@@ -3721,6 +3828,12 @@ def build_parser():
     t.add_argument("--final-fid", type=non_negative_int, help="samples of the final FID (0: none)")
     t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
                    help="guidance scale of FID samples")
+    t.add_argument("--fid-guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
+                   help="guide FID samples only for timesteps in [T_LO, T_HI] (0..1000 scale)")
+    t.add_argument("--fid-guide", help="autoguide FID samples by these weights (e.g. a guide "
+                   "that `sample --fid` chose from RUN/ema/)")
+    t.add_argument("--fid-guide-scale", type=float, default=1.0,
+                   help="autoguidance's weight for FID samples (1: none)")
     t.add_argument("--fid-ref", help="reference batch or statistics .npz (imagenet100: "
                    "<data-dir>/fid_ref.npz, else fid_stats.npz)")
     t.add_argument("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache, "
@@ -3748,6 +3861,12 @@ def build_parser():
     s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
                    action="append", help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 "
                    "scale; with --fid, repeat it to sample and score each interval")
+    s.add_argument("--guide", action="append", help="autoguidance: weights of a weaker network "
+                   "of the same data (an earlier EMA of the run, RUN/ema/step_N.safetensors, or a "
+                   "smaller model); with --fid, repeat it to sample and score each guide")
+    s.add_argument("--guide-scale", type=float_list, help="autoguidance's weight w: guide + w * "
+                   "(model - guide) (1: the model alone); with --fid, comma-separated weights are "
+                   "each sampled and scored")
     s.add_argument("--n", type=positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
@@ -3813,6 +3932,8 @@ def main(argv=None):
     if args.command == "report":
         return report(args.runs, args.out, args.x)
     args.val_every = args.val_every or args.sample_every
+    args.keep_ema = args.keep_ema or [args.ckpt_every * 2 ** k for k in
+                                      range((args.steps // args.ckpt_every).bit_length())]
     args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
     args.run_dir = (args.run_dir
                     or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))

@@ -15,6 +15,7 @@ import atexit
 import base64
 import dataclasses
 import errno
+import functools
 import glob
 import gzip
 import hashlib
@@ -1179,6 +1180,68 @@ def test_samplers_run_every_architecture_and_remat_policy():
     for other in samples[1:]:
         np.testing.assert_allclose(other, samples[0], rtol=1e-5, atol=1e-5)
 
+def guidance_models(objective="rf", **overrides):
+    """(model, guide, noise, labels): two DiTs of one configuration with different random weights,
+    past adaLN-Zero's identity, and their inputs."""
+    cfg = tiny_config(objective, **overrides)
+    model, guide = (dit.DiTPlus(cfg, rngs=nnx.Rngs(seed)) for seed in (0, 1))
+    for m, shift in ((model, 0.05), (guide, -0.03)):
+        nnx.update(m, jax.tree.map(lambda p: p + shift, nnx.state(m, nnx.Param)))
+    noise = jax.random.normal(jax.random.key(0), (3, 8, 8, cfg.in_channels))
+    return model, guide, noise, jnp.array([0, 1, 2])
+
+@pytest.mark.parametrize("objective, method", [("rf", "heun"), ("ddpm", "ddim")])
+def test_autoguidance_is_the_model_where_it_cannot_differ(objective, method):
+    """Autoguidance at weight 1, or by the model itself at any weight, samples as the model alone,
+    bit for bit, with and without classifier-free guidance; and CFG alone is the sampler that
+    forward_with_cfg drives, as before autoguidance."""
+    model, guide, noise, y = guidance_models(objective)
+    objective = dit.make_objective(objective)
+
+    @functools.partial(jax.jit, static_argnames=("cfg_scale", "by", "w"))
+    def run(cfg_scale, by=None, w=1.0):
+        return dit.sample(model, objective, noise, y, None, steps=3, method=method,
+                          cfg_scale=cfg_scale, guide={"guide": guide, "model": model}.get(by),
+                          guide_scale=w)
+    for cfg_scale in (1.0, 2.5):
+        alone = np.asarray(run(cfg_scale))
+        np.testing.assert_array_equal(run(cfg_scale, "guide", 1.0), alone)
+        assert np.abs(np.asarray(run(cfg_scale, "guide", 2.0)) - alone).max() > 1e-3
+        if cfg_scale == 1:
+            for w in (0.5, 3.0):
+                np.testing.assert_array_equal(run(cfg_scale, "model", w), alone)
+        else:  # CFG's doubled batch computes the model's half in a batch other than the guide's
+            np.testing.assert_allclose(run(cfg_scale, "model", 3.0), alone, rtol=1e-5, atol=1e-5)
+    # CFG alone, as the objective's sampler runs forward_with_cfg on the doubled batch
+    y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
+    doubled = jax.jit(lambda: objective.sample(lambda x, t: model.forward_with_cfg(x, t, y2, 2.5),
+                                               jnp.concatenate([noise, noise]), None, 3, method))()
+    np.testing.assert_array_equal(run(2.5), doubled[:3])
+
+def test_autoguidance_extrapolates_from_the_guide():
+    """One Euler step of rectified flow from t = 1 to 0 is x - v: the velocity guided by another
+    network is guide + w * (model - guide) in every channel, and beside CFG its term
+    (w - 1) * (cond - guide) adds to CFG's uncond + s * (cond - uncond) (Karras et al. 2024,
+    Appendix B.2)."""
+    model, guide, noise, y = guidance_models("rf")
+    t = jnp.full(3, 1000.0)
+    cond, worse = model(noise, t, y), guide(noise, t, y)
+    uncond = model(noise, t, jnp.full_like(y, model.cfg.num_classes))
+    step = jax.jit(functools.partial(dit.sample, model, dit.RectifiedFlow(), noise, y, None,
+                                     steps=1, method="euler", guide=guide, guide_scale=2.5),
+                   static_argnames=("cfg_scale", "interval", "guidance_channels"))
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+    close(step(), noise - (worse + 2.5 * (cond - worse)))
+    assert np.abs(np.asarray(cond - worse)).max() > 0.1  # the two networks differ
+    expected = noise - (uncond + 1.5 * (cond - uncond) + 1.5 * (cond - worse))
+    close(step(cfg_scale=1.5), expected)
+    # the guidance interval limits CFG alone: outside it autoguidance still acts
+    outside = step(cfg_scale=1.5, interval=(0, 10))
+    close(outside, noise - (worse + 2.5 * (cond - worse)))
+    # the first 3 of the 4 channels guided, as the official FID figures were sampled
+    three = np.asarray(step(guidance_channels=3))
+    close(three[..., 3], (noise - cond)[..., 3])
+
 @slow
 def test_sampling_errors_are_clear(tmp_path):
     cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=1, hidden_size=16, depth=1,
@@ -2070,7 +2133,8 @@ def records(run_dir):
 @slow
 def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     """6 uninterrupted steps == 3 steps, a kill, 3 resumed steps, bit for bit."""
-    killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6, VALIDATION),
+    killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6,
+                                          [*VALIDATION, "--keep", "1"]),
                      patch=KILL_AFTER_CHECKPOINT, check=False)
     assert killed.returncode == 9
     assert ([os.path.basename(p) for p in dit.list_checkpoints(tmp_path / "resumed")]
@@ -2080,11 +2144,23 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 0.5}\n{"step": 5, "lo')
     out = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6,
-                                       [*VALIDATION, "--resume"]))
+                                       [*VALIDATION, "--resume", "--keep", "1"]))
     assert "resumed" in out.stdout
     a, b = state_at(straight_run, 6), final_state(tmp_path / "resumed")[1]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # The EMA at --keep-ema's steps (by default --ckpt-every's 3 times 1, 2, 4, ...: 3 and 6),
+    # autoguidance's guides, outlives the rotation of --keep 1 and the resume, as uninterrupted.
+    assert dit.list_checkpoints(tmp_path / "resumed") == [
+        str(tmp_path / "resumed" / "checkpoints" / "step_0000006.npz")]
+    kept = ["step_0000003.safetensors", "step_0000006.safetensors"]
+    assert sorted(os.listdir(tmp_path / "resumed" / "ema")) == kept
+    for name in kept:
+        ours, theirs = (dit.read_safetensors(str(run / "ema" / name))[0]
+                        for run in (tmp_path / "resumed", straight_run))
+        assert ours.keys() == theirs.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
     # the log holds each step once, and the validation losses (fixed held-out samples, fixed
     # noise) of the resumed run are those of the uninterrupted one
     resumed = records(tmp_path / "resumed")
@@ -2885,9 +2961,11 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
         assert np.bincount(f["labels"]).tolist() == [5, 5]
 
 @slow
-def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_data, monkeypatch):
-    """A run's final FID and `sample --fid` of its EMA weights, at the same guidance, steps, batch
-    and seed, feed the Inception the same images and log the same fields (dit.sample_and_score)."""
+def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_data, monkeypatch,
+                                                            straight_run):
+    """A run's final FID and `sample --fid` of its EMA weights, at the same guidance (the setting a
+    sweep chose: a CFG scale, its interval, a guide and its weight), steps, batch and seed, feed the
+    Inception the same images and log the same fields (dit.sample_and_score)."""
     ref = tmp_path / "ref.npz"
     np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
     monkeypatch.setattr(fid, "load_inception", lambda *args, **kwargs: None)
@@ -2899,15 +2977,20 @@ def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_dat
                 "sfid": None, "inception_score": 1.0, "inception_score_std": 0.0,
                 "precision": None, "recall": None}
     monkeypatch.setattr(fid, "evaluate", scores)
-    run_dir = tmp_path / "run"
-    dit.main(train_args(folder_data, run_dir, 3, ["--final-fid", "6", "--fid-ref", str(ref)]))
+    run_dir, guide = tmp_path / "run", str(straight_run / "ema" / "step_0000003.safetensors")
+    dit.main(train_args(folder_data, run_dir, 3, [
+        "--final-fid", "6", "--fid-ref", str(ref), "--fid-cfg-scale", "2",
+        "--fid-guidance-interval", "0", "700", "--fid-guide", guide, "--fid-guide-scale", "3"]))
     dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "6", "--steps", "2",
-              "--batch-size", "8", "--ref", str(ref), "--out", str(tmp_path / "s.npz")])
+              "--batch-size", "8", "--ref", str(ref), "--out", str(tmp_path / "s.npz"),
+              "--cfg-scale", "2", "--guidance-interval", "0", "700", "--guide", guide,
+              "--guide-scale", "3"])
     assert len(fed) == 2 and fed[0].shape == (6, 8, 8, 3) and fed[0].std() > 0
     # the same weights, run as training's state and as the exported model: float rounding apart
     assert np.abs(fed[0].astype(int) - fed[1]).max() <= 1
     train_fid, sample_fid = [r for r in records(run_dir) if "fid" in r]
-    assert "cfg_scale" not in train_fid and sample_fid["cfg_scale"] == 1.5
+    assert "cfg_scale" not in train_fid and sample_fid["cfg_scale"] == 2
+    assert sample_fid["guide"] == guide and sample_fid["guide_scale"] == 3
     assert {k: v for k, v in sample_fid.items() if k in train_fid} == {
         **train_fid, "fid": sample_fid["fid"]}
     assert sample_fid["fid"] == pytest.approx(train_fid["fid"], abs=0.01)
@@ -3210,7 +3293,7 @@ def test_report_draws_guidance_sweeps(tmp_path):
     assert xy(whole)[1] == pytest.approx([10 + 0.6 ** 2, 10 + 0.1 ** 2, 10 + 1.4 ** 2])
     assert xy(interval)[0].tolist() == [1.0, 3.0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "step 20,000, 10K samples, adm", "step 20,000, 10K samples, adm, guided in [0, 700]"]
+        "step 20,000, 10K samples, adm", "step 20,000, 10K samples, adm, CFG in [0, 700]"]
     ax = panels(report.figure)["Precision and Recall by guidance (sample --fid)"]
     precision, recall = ax.lines[:2]
     assert xy(precision)[1] == pytest.approx([0.6, 0.65, 0.8])
@@ -3368,6 +3451,59 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
     np.testing.assert_array_equal(xy(line), [[1, 3], [r["fid"] for r in logged]])
     model = dit.load_model(dit.list_checkpoints(run_dir)[-1])[0]
     assert f"| {dit.count_params(model):,} | 9 |" in (tmp_path / "out" / "report.md").read_text()
+
+@slow
+def test_autoguidance_sweep_by_the_runs_kept_ema(tmp_path, straight_run, monkeypatch):
+    """`sample --fid --guide EMA --guide-scale 1,2,3` on a run's weights, guided by the EMA that
+    the run kept at step 3: three rows from the same noise (weight 1, the model alone, as without
+    a guide), in the run's metrics, and `report` draws FID against the weight."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    monkeypatch.setattr(fid, "load_inception", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fid, "evaluate", lambda images, ref, inception: {
+        "count": len(images), "protocol": ref["protocol"], "fid": float(images.mean()),
+        "sfid": None, "inception_score": 1.0, "precision": 0.5, "recall": 0.5})
+    guide = str(run_dir / "ema" / "step_0000003.safetensors")
+    common = ["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "4", "--batch-size",
+              "4", "--steps", "2", "--cfg-scale", "1.5"]
+    printed = dit.main(common + ["--guide", guide, "--guide-scale", "1,2,3", "--ref", str(ref),
+                                 "--out", str(tmp_path / "ag.npz")])
+    assert list(printed) == ["guidance 1.5"] + [f"guidance 1.5, autoguidance {w} by {guide}"
+                                                for w in (2, 3)]
+    logged = [r for r in records(run_dir) if "cfg_scale" in r]
+    assert [(r["guide"], r["guide_step"], r["guide_scale"]) for r in logged] == [
+        (None, None, 1), (guide, 3, 2), (guide, 3, 3)]
+    load = lambda name: np.load(tmp_path / name)["arr_0"]  # noqa: E731
+    dit.main(common + ["--out", str(tmp_path / "cfg.npz")])
+    np.testing.assert_array_equal(load("ag_cfg1.5.npz"), load("cfg.npz"))
+    assert (load("ag_cfg1.5_ag2-step_0000003.npz") != load("cfg.npz")).any()
+    report = dit.main(["report", str(run_dir), "--out", str(tmp_path / "out")])
+    ax = panels(report.figure)["FID by autoguidance (sample --fid)"]
+    np.testing.assert_allclose(xy(ax.lines[0]), [[1, 2, 3], [r["fid"] for r in logged]])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "step 9, 4 samples, pytorch-fid, CFG 1.5, guide step_0000003.safetensors"]
+    assert xy(panels(report.figure)["FID by guidance (sample --fid)"].lines[0])[0].tolist() == [1.5]
+
+@slow
+def test_a_guide_that_cannot_guide_is_named_with_the_model(tmp_path, straight_run):
+    """A guide of another objective or latent scale (or input, patch or class count) ends the
+    command in one line that names both files and what differs, before anything is sampled."""
+    meta, arrays = dit.read_checkpoint(dit.list_checkpoints(straight_run)[0])
+    meta["objective"], meta["latent_scale"] = {"name": "edm", "sigma_data": 0.5}, 0.18215
+    other = tmp_path / "edm.npz"
+    np.savez(other, __meta__=np.array(json.dumps(meta)), **arrays)
+    model = str(straight_run / "ema.safetensors")
+    with pytest.raises(SystemExit) as info:
+        dit.run_cli(dit.main, ["sample", "--ckpt", model, "--guide", str(other),
+                               "--guide-scale", "2"])
+    assert info.value.code == (
+        f"error: {other} cannot guide {model}: objective edm (sigma_data 0.5) against rf, latent "
+        f"scale 0.18215 against None; a guide is an earlier EMA of the same run (RUN/ema/) or a "
+        f"smaller model trained on the same data")
+    with pytest.raises(dit.InputError, match="--guide and --guide-scale go together"):
+        dit.main(["sample", "--ckpt", model, "--guide", str(other)])
 
 @slow
 def test_notebook_shows_the_report(kernel, tmp_path):
@@ -4661,16 +4797,27 @@ SAMPLING_CASES = [(objective, method, cfg_scale,
 
 @pytest.mark.usefixtures("xla_attention")
 @pytest.mark.parametrize("objective, method, cfg_scale, precision", SAMPLING_CASES)
-def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precision):
+@pytest.mark.parametrize("autoguided", [False, True], ids=["", "autoguided"])
+def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precision, autoguided):
+    """Every sampler, with and without classifier-free guidance, alone and with autoguidance by a
+    smaller network (as XS guides S) in the same program."""
     every_switch = {name: True for name in dit.ARCHS["dit"]}
-    graphdef, params = abstract_dit(tiny_config(objective, **every_switch),
-                                    dit.compute_dtype(precision))
+    dtype = dit.compute_dtype(precision)
+    graphdef, params = abstract_dit(tiny_config(objective, **every_switch), dtype)
+    guide = dit.DiTPlus(tiny_config(objective, **every_switch, hidden_size=16), dtype=dtype,
+                        rngs=nnx.Rngs(0)) if autoguided else None
     trajectory = method in ("heun", "ddim")
     sampler = dit.Sampler(graphdef, dit.make_objective(objective), dit.make_mesh(), steps=2,
                           method=method, cfg_scale=cfg_scale, guidance_channels=3,
-                          interval=(100, 900), return_trajectory=trajectory)
+                          interval=(100, 900), guide=guide, guide_scale=2.0,
+                          return_trajectory=trajectory)
     noise, y = spec((4, 8, 8, 4)), spec((4,), jnp.int32)
-    run = lower(sampler.run, params, noise, y, jax.eval_shape(lambda: jax.random.key(0)))
+    run = lower(sampler.run, params, sampler.guide_params, noise, y,
+                jax.eval_shape(lambda: jax.random.key(0)))
+    # the guide's weights are the program's inputs, not constants folded into it
+    guide_inputs = len(jax.tree.leaves(sampler.guide_params))
+    assert len(run.in_avals) == len(jax.tree.leaves(params)) + guide_inputs + 3
+    assert (guide_inputs > 0) == autoguided
     assert run.out_avals[0].shape == (4, 8, 8, 4) and len(run.out_avals) == 1 + trajectory
     images = lower(sampler.finish, None, noise)
     assert images.out_avals[0].dtype == jnp.uint8
@@ -4729,7 +4876,7 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     graphdef, params = abstract_dit(cfg, jnp.bfloat16)
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=2,
                           method="heun", cfg_scale=1.5)
-    run = lower(sampler.run, params, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
+    run = lower(sampler.run, params, None, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
                 jax.eval_shape(lambda: jax.random.key(0)), **cuda)
     assert fused[0] in run.mlir_module()
 
@@ -4753,7 +4900,7 @@ def lower_on_a_v3_8(vae_dir):
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), mesh, steps=2, method="heun",
                           cfg_scale=1.5, vae=vae, latent_scale=vae.cfg.scaling_factor)
     noise = spec((8, 8, 8, 4))
-    found["sample"] = lower(sampler.run, params, noise, spec((8,), jnp.int32),
+    found["sample"] = lower(sampler.run, params, None, noise, spec((8,), jnp.int32),
                             jax.eval_shape(lambda: jax.random.key(0))).nr_devices
     found["decode"] = lower(sampler.finish, sampler.vae_params, noise).nr_devices
     graphdef, state = nnx.split(vae)
