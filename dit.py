@@ -2235,6 +2235,38 @@ def duration(text):
                                          f"{text!r}")
     return seconds
 
+# The notebooks that name themselves in the environment, the hours of their sessions, and where a
+# run must be to outlive one (README, Notebooks). A Kaggle session (KAGGLE_KERNEL_RUN_TYPE
+# "Interactive", or "Batch" for a saved version) keeps /kaggle/working alone: a version's as its
+# output, an interactive session's where the notebook's Persistence setting keeps files. A Colab
+# runtime keeps nothing but what it wrote to Google Drive.
+KAGGLE_WORKING, COLAB_DRIVE = "/kaggle/working", "/content/drive"
+
+def session_notes(run_dir, time_limit, platform, environ):
+    """The lines that tell a run in a Kaggle or Colab notebook (by `environ`) on the JAX `platform`
+    what the session's end would take: a run directory that it deletes, and a --time-limit longer
+    than the session. None elsewhere."""
+    within = lambda root: os.path.abspath(run_dir).startswith(root + os.sep)  # noqa: E731
+    if environ.get("KAGGLE_KERNEL_RUN_TYPE"):
+        name, hours = "Kaggle", 9 if platform == "tpu" else 12
+        lost = environ["KAGGLE_KERNEL_RUN_TYPE"] != "Batch" or not within(KAGGLE_WORKING)
+        keeps = (f", unless it lies in {KAGGLE_WORKING} and is kept: as a saved version's output "
+                 f"(Save & Run All), or by the notebook's Persistence setting (files; set before "
+                 f"the session ends)")
+    elif "COLAB_RELEASE_TAG" in environ or "COLAB_GPU" in environ:
+        name, hours, lost = "Colab", 12, not within(COLAB_DRIVE)
+        keeps = (f"; only Google Drive outlasts it: put --run-dir in {COLAB_DRIVE}/MyDrive after "
+                 f"drive.mount('{COLAB_DRIVE}')")
+    else:
+        return []
+    notes = [f"note: {name} deletes {run_dir} when this session ends{keeps} (README, "
+             f"Notebooks)"] if lost else []
+    if time_limit and time_limit > hours * 3600:
+        notes.append(f"note: --time-limit {time_limit / 3600:.3g} h outlasts a {name} session here "
+                     f"({hours} h), whose end would come before the run's checkpoint: give it "
+                     f"less (README, Notebooks)")
+    return notes
+
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
@@ -2678,6 +2710,9 @@ def train(args):
     use_compile_cache(args.compile_cache)  # before anything compiles
     mesh = make_mesh()
     check_batch_size(args.batch_size)
+    if jax.process_index() == 0:  # told first, before the data and the model take their time
+        for note in session_notes(args.run_dir, args.time_limit, jax.default_backend(), os.environ):
+            print(note)
     with on_every_host():
         ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     same_data_on_every_host(ds)

@@ -2127,6 +2127,30 @@ def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
+@pytest.mark.parametrize("environ, run_dir, platform, time_limit, says", [
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "/kaggle/working/runs/r", "tpu", "8h30m",
+     ["Kaggle deletes"]),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/working/runs/r", "tpu", "8h30m", []),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/temp/r", "gpu", "11h30m", ["Kaggle deletes"]),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/working/r", "tpu", "11h30m",
+     ["--time-limit 11.5 h outlasts a Kaggle session here (9 h)"]),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/working/r", "gpu", "11h30m", []),
+    ({"COLAB_RELEASE_TAG": "release-colab-1"}, "/content/runs/r", "tpu", None, ["Colab deletes"]),
+    ({"COLAB_GPU": "1"}, "/content/drive/MyDrive/r", "gpu", "13h",
+     ["--time-limit 13 h outlasts a Colab session here (12 h)"]),
+    ({"COLAB_RELEASE_TAG": "release-colab-1"}, "/content/drive/MyDrive/r", "tpu", "11h", []),
+    ({}, "/kaggle/temp/r", "tpu", "100h", []),
+    ({"HOME": "/content"}, "runs/r", "cpu", "100h", []),
+])
+def test_notebook_platforms_tell_what_their_session_keeps(environ, run_dir, platform, time_limit,
+                                                          says):
+    """A run on Kaggle or Colab hears, in one line each, that the session's end deletes its run
+    directory, and that its --time-limit outlasts the session; elsewhere nothing."""
+    seconds = time_limit and dit.duration(time_limit)
+    notes = dit.session_notes(run_dir, seconds, platform, environ)
+    assert len(notes) == len(says) and all(n.startswith("note: " + s) for n, s in zip(notes, says))
+    assert all(n.endswith("(README, Notebooks)") and "\n" not in n for n in notes)
+
 def small_state(step):
     """A training state of 1 MB (250,000 float32 numbers) at `step`."""
     return {"step": jnp.int32(step), "params": {"w": jnp.full((500, 500), step, jnp.float32)}}
