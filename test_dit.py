@@ -19,6 +19,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -2108,24 +2109,58 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     c = final_state(tmp_path / "branch")[1]
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
-    assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [4, 5, 6]
+    # with the other run's records up to step 3 (test_a_run_goes_on_from_a_read_only_copy...)
+    assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 @slow
-def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data,
+def test_a_run_goes_on_from_a_read_only_copy_with_its_history(tmp_path, folder_data,
                                                                straight_run):
-    run_dir = tmp_path / "crashed"
-    killed = run_dit(tmp_path, train_args(folder_data, run_dir, 9, VALIDATION),
-                     patch=KILL_WHILE_WRITING, check=False)
-    assert killed.returncode == -9
-    names = sorted(os.listdir(run_dir / "checkpoints"))
-    assert "step_0000003.npz" in names and "step_0000006.npz" not in names
-    # the half-written file is there, under its temporary name
-    assert any(".tmp" in n for n in names)
-    out = run_dit(tmp_path, train_args(folder_data, run_dir, 9, VALIDATION))
-    assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
-    a, b = final_state(straight_run)[1], final_state(run_dir)[1]
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    """The way from one Kaggle version to the next: a run's folder as the next version mounts it
+    (copied, read-only), and a new --run-dir that goes on from its checkpoint of step 3. The new run
+    begins with the old run's history up to step 3 (records, grids, kept EMA weights; none of the
+    later steps'), and a record that names it, says so in one line, reads the copy only, resumes
+    itself as any run, and ends bit for bit as the uninterrupted run, whose records `report` then
+    reads whole. Under a notebook platform's variables, and there only, the run is told what the
+    session's end would take."""
+    copy, new = tmp_path / "input" / "old", tmp_path / "new"
+    shutil.copytree(straight_run, copy)
+    for folder, step in itertools.product(("samples", "ema"), (3, 6)):  # grids and EMA weights
+        name = f"step_{step:07d}.{'png' if folder == 'samples' else 'safetensors'}"
+        os.makedirs(copy / folder, exist_ok=True)
+        (copy / folder / name).write_bytes(f"{folder} {step}".encode())
+    subprocess.run(["chmod", "-R", "a-w", str(copy)], check=True)  # root writes even so: compared
+    listing = lambda: {(str(p), p.stat().st_mtime_ns, p.stat().st_mode,  # noqa: E731
+                        p.read_bytes() if p.is_file() else None) for p in copy.rglob("*")}
+    before = listing()
+    step3 = copy / "checkpoints" / "step_0000003.npz"
+    continued = run_dit(tmp_path, train_args(folder_data, new, 6, [
+        *VALIDATION, "--resume", str(step3), "--time-limit", "13h"]),
+        env={"KAGGLE_KERNEL_RUN_TYPE": "Batch"})  # a saved version, on a CPU: 12 h
+    resumed = run_dit(tmp_path, train_args(folder_data, new, 9, VALIDATION))
+    assert listing() == before
+    subprocess.run(["chmod", "-R", "u+w", str(copy)], check=True)
+    assert (f"continues {copy} at step 3: its metrics, grids and kept EMA weights up to there "
+            f"copied (files: 1 in samples/, 1 in ema/)") in continued.stdout.splitlines()
+    assert [line for line in continued.stdout.splitlines() if line.startswith("note:")] == [
+        f"note: Kaggle deletes {new} when this session ends, unless it lies in /kaggle/working "
+        f"and is kept: as a saved version's output (Save & Run All), or by the notebook's "
+        f"Persistence setting (files; set before the session ends) (README, Notebooks)",
+        "note: --time-limit 13 h outlasts a Kaggle session here (12 h), whose end would come "
+        "before the run's checkpoint: give it less (README, Notebooks)"]
+    assert "note:" not in resumed.stdout and "continues" not in resumed.stdout
+    assert f"resumed {new / 'checkpoints' / 'step_0000006.npz'}" in resumed.stdout
+    for name, value in state_at(straight_run, 9).items():
+        np.testing.assert_array_equal(state_at(new, 9)[name], value, err_msg=name)
+    history = records(new)
+    assert {"step": 3, "continues": str(copy)} in history
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, 10))
+    assert ([r for r in history if "val_loss" in r]
+            == [r for r in records(straight_run) if "val_loss" in r])
+    assert [r["step"] for r in dit.RunRecords(str(new)).train] == list(range(1, 10))
+    # step 3's copied, 6's and 9's drawn by the new run's ends (--steps 6, then 9)
+    assert sorted(os.listdir(new / "samples")) == [f"step_{s:07d}.png" for s in (3, 6, 9)]
+    assert (new / "samples" / "step_0000003.png").read_bytes() == b"samples 3"
+    assert os.listdir(new / "ema") == ["step_0000003.safetensors"]
 
 @pytest.mark.parametrize("environ, run_dir, platform, time_limit, says", [
     ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "/kaggle/working/runs/r", "tpu", "8h30m",
