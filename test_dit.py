@@ -3574,56 +3574,118 @@ def kernel(tmp_path):
 TINY = 'DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)'
 
 def readme_cells():
-    """{number: text} of the Python cells in the README's Notebooks section."""
+    """{number: text} of the Python cells in the README's Notebooks section; the third, one for each
+    platform, by the platform's name ("Kaggle", "Colab", "TPU")."""
     with open(os.path.join(HERE, "README.md")) as f:
         text = f.read()
     section = text[text.index("\n## Notebooks"):]
     section = section[:section.index("\n## ", 1)]
-    return {int(re.match(r"# (\d+)\.", cell)[1]): cell
-            for cell in re.findall(r"```python\n(.*?)```", section, re.S)}
+    cells = {}
+    for cell in re.findall(r"```python\n(.*?)```", section, re.S):
+        number, name = re.match(r"# (\d+)\. (\w+)", cell).groups()
+        cells[name if number == "3" else int(number)] = cell
+    return cells
+
+# google.colab's drive.mount, which makes the folder that it mounts Google Drive in
+COLAB = """
+import importlib.util, sys, types
+if importlib.util.find_spec("google") is None:
+    sys.modules["google"] = types.ModuleType("google")
+sys.modules["google.colab"] = types.SimpleNamespace(drive=types.SimpleNamespace(
+    mount=lambda path: os.makedirs(os.path.join(path, "MyDrive"), exist_ok=True)))
+"""
 
 @slow
 def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_run):
-    """The README's notebook cells, with fid.py's and dit.py's text pasted into cells and the
-    test's own settings: training stopped by the stop button ends with a checkpoint and one line;
-    the same cell again continues it, bit for bit as the command line's uninterrupted run; the cell
-    shows a one-line summary, sampling shows the grid, and a bad option is one line with the kernel
-    alive. (The FID cell needs the real Inception weights.)"""
+    """The README's notebook cells, with fid.py's and dit.py's text pasted into cells, and the
+    platforms' folders in the test's, its data and tiny model. On Kaggle, a saved version's training
+    stopped by the stop button ends with a checkpoint and one line; the next version, with the
+    output of that one as its read-only input, goes on from there with the run's history and ends
+    bit for bit as the command line's uninterrupted run. On Colab the run goes to the mounted
+    Drive; neither platform's run hears that its session would delete it. The cell shows a one-line
+    summary, sampling shows the grid, and a bad option is one line with the kernel alive. (The FID
+    cell needs the real Inception weights.)"""
     cells = readme_cells()
+    assert set(cells) == {1, 2, "Kaggle", "Colab", "TPU", 4, 5, 6}
     assert cells[1].startswith("# 1. Install") and cells[2].startswith("# 2. Paste")
     assert kernel.paste(os.path.join(HERE, "fid.py")) == ("ok", [])
     assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
-    assert set(re.findall(r"^(\w+) =", cells[3], re.M)) == {"DATA", "RUN", "ARGS"}
-    run_dir = tmp_path / "run"
-    argv = train_args(folder_data, run_dir, 9, VALIDATION)
-    settings = f"{TINY}\nDATA, RUN, ARGS = {folder_data!r}, {str(run_dir)!r}, {argv!r}"
-    assert kernel.run(settings)[0] == "ok"
+    kaggle, content = tmp_path / "kaggle", tmp_path / "content"
 
-    # The stop button while batches come slowly (a second each), once a step is logged.
+    def here(cell):
+        """The cell with the test's folders, data, model and options (its own --data-dir and
+        --run-dir come after the test's options, and win)."""
+        for path, ours in (("/kaggle/input/in100-256", folder_data),
+                           ("/content/drive/MyDrive/in100-256", folder_data),
+                           ('"in100-256"', repr(folder_data)), ("/kaggle/", f"{kaggle}/"),
+                           ("/content/", f"{content}/"),
+                           ('"--size", "S", "--dataset", "imagenet100"', "*OPTIONS")):
+            cell = cell.replace(path, ours)
+        return cell
+
+    settings = (f"{TINY}\nOPTIONS = {train_args(folder_data, None, 9, VALIDATION)!r}\n"
+                f"KAGGLE_WORKING, COLAB_DRIVE = {str(kaggle / 'working')!r}, "
+                f"{str(content / 'drive')!r}\nos.environ['KAGGLE_KERNEL_RUN_TYPE'] = 'Batch'")
+    assert kernel.run(settings)[0] == "ok"
+    os.makedirs(kaggle / "working")
+    assert kernel.run(here(cells["Kaggle"])) == ("ok", [])
+    run_dir = kaggle / "working" / "runs" / "imagenet100-DiT-S-2"
+
+    # A saved version's run, stopped by the stop button while batches come slowly (a second each),
+    # once a step is logged.
     slow = ("batch = Loader.batch\n"
             "Loader.batch = lambda self, step: (time.sleep(1), batch(self, step))[1]")
     assert kernel.run(slow)[0] == "ok"
-    status, out = kernel.run(cells[4],
+    status, out = kernel.run(here(cells[4]),
                              interrupt_when=lambda: os.path.exists(run_dir / "metrics.jsonl"))
     assert status == "ok" and not [text for kind, text in out if kind == "error"], out
     step = int(re.fullmatch(r"Run\(.*, step=(\d), .*, stopped='interrupted'\)",
                             dict(out)["text/plain"])[1])
     assert 1 <= step < 9
     saved = str(run_dir / "checkpoints" / f"step_{step:07d}.npz")
+    stdout = "".join(text for kind, text in out if kind == "stdout")
     assert (f"interrupted at step {step} of 9: saved {saved}; the same command continues from "
-            f"there") in "".join(text for kind, text in out if kind == "stdout"), out
+            f"there") in stdout and "note:" not in stdout, out
 
-    # The next session: the same cell continues the run, and ends as the uninterrupted one.
+    # The next version: this one's output, read-only in /kaggle/input, and a new /kaggle/working.
+    output = kaggle / "input" / "dit-s-2"
+    os.makedirs(output.parent)
+    shutil.move(kaggle / "working", output)
+    os.makedirs(kaggle / "working")
+    subprocess.run(["chmod", "-R", "a-w", str(output)], check=True)
     assert kernel.run("Loader.batch = batch")[0] == "ok"
-    status, out = kernel.run(cells[4])
+    assert kernel.run(here(cells["Kaggle"])) == ("ok", [])
+    status, out = kernel.run(here(cells[4]))
+    subprocess.run(["chmod", "-R", "u+w", str(output)], check=True)
     assert status == "ok", out
     assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(run_dir))}', step=9, "
                         rf"loss=\d\.\d+(e-\d+)?, fid=None, stopped=None\)",
                         dict(out)["text/plain"]), out
+    stdout = "".join(text for kind, text in out if kind == "stdout")
+    assert f"continues {output / 'runs' / 'imagenet100-DiT-S-2'} at step {step}: " in stdout, out
+    assert "note:" not in stdout, out
     for name, value in state_at(straight_run, 9).items():
         np.testing.assert_array_equal(state_at(run_dir, 9)[name], value, err_msg=name)
-    status, out = kernel.run(cells[5])
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 10))
+    assert ([r for r in records(run_dir) if "val_loss" in r]
+            == [r for r in records(straight_run) if "val_loss" in r])
+    status, out = kernel.run(here(cells[5]))
     assert status == "ok" and "image/png" in dict(out), out
+
+    # Colab: the data copied from the mounted Drive, the run on it; a run of 3 steps.
+    os.makedirs(content)
+    assert kernel.run(f"{COLAB}\ndel os.environ['KAGGLE_KERNEL_RUN_TYPE']\n"
+                      f"os.environ['COLAB_RELEASE_TAG'] = 'release-colab-1'\n"
+                      f"OPTIONS[OPTIONS.index('--steps') + 1] = '3'")[0] == "ok"
+    assert kernel.run(here(cells["Colab"])) == ("ok", [])
+    status, out = kernel.run(here(cells[4]))
+    assert status == "ok" and "note:" not in "".join(text for kind, text in out), out
+    assert re.fullmatch(r"Run\(run_dir='.*/content/drive/MyDrive/runs/imagenet100-DiT-S-2', "
+                        r"step=3, .*, stopped=None\)", dict(out)["text/plain"]), out
+    # A TPU VM: the run beside the notebook
+    assert kernel.run(here(cells["TPU"])) == ("ok", [])
+    assert kernel.run("print(DATA, RUN, MORE)") == (
+        "ok", [("stdout", f"{folder_data} runs/imagenet100-DiT-S-2 []\n")])
 
     status, out = kernel.run("main(['--size', 'Q'])")
     assert status == "error"
