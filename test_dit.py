@@ -2639,6 +2639,19 @@ def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, f
         for k in straight:
             np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
     assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
+    # Each host goes on from its own checkpoint of step 2 in a new folder of its own, which begins
+    # with the history on its disk (process 0 keeps the metrics, and tells).
+    branches = [run_dir.parent / "branch" for run_dir in run_dirs]
+    codes, outs = two_processes(tmp_path, [train_args(folder_data, branch, 3, [
+        *VALIDATION, "--resume", str(run_dir / "checkpoints" / "step_0000002.npz")])
+        for run_dir, branch in zip(run_dirs, branches)])
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert outs[0].count(f"continues {run_dirs[0]} at step 2: ") == 1
+    assert [r["step"] for r in records(branches[0]) if "loss" in r] == [1, 2, 3]
+    assert records(branches[1]) == [{"step": 2, "continues": str(run_dirs[1])}]
+    for branch in branches:
+        for k in straight:
+            np.testing.assert_array_equal(straight[k], final_state(branch)[1][k], err_msg=k)
 
 @slow
 def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path, folder_data):
