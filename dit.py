@@ -2257,6 +2257,38 @@ def duration(text):
                                          f"{text!r}")
     return seconds
 
+# The notebooks that name themselves in the environment, the hours of their sessions, and where a
+# run must be to outlive one (README, Notebooks). A Kaggle session (KAGGLE_KERNEL_RUN_TYPE
+# "Interactive", or "Batch" for a saved version) keeps /kaggle/working alone: a version's as its
+# output, an interactive session's where the notebook's Persistence setting keeps files. A Colab
+# runtime keeps nothing but what it wrote to Google Drive.
+KAGGLE_WORKING, COLAB_DRIVE = "/kaggle/working", "/content/drive"
+
+def session_notes(run_dir, time_limit, platform, environ):
+    """The lines that tell a run in a Kaggle or Colab notebook (by `environ`) on the JAX `platform`
+    what the session's end would take: a run directory that it deletes, and a --time-limit longer
+    than the session. None elsewhere."""
+    within = lambda root: os.path.abspath(run_dir).startswith(root + os.sep)  # noqa: E731
+    if environ.get("KAGGLE_KERNEL_RUN_TYPE"):
+        name, hours = "Kaggle", 9 if platform == "tpu" else 12
+        lost = environ["KAGGLE_KERNEL_RUN_TYPE"] != "Batch" or not within(KAGGLE_WORKING)
+        keeps = (f", unless it lies in {KAGGLE_WORKING} and is kept: as a saved version's output "
+                 f"(Save & Run All), or by the notebook's Persistence setting (files; set before "
+                 f"the session ends)")
+    elif "COLAB_RELEASE_TAG" in environ or "COLAB_GPU" in environ:
+        name, hours, lost = "Colab", 12, not within(COLAB_DRIVE)
+        keeps = (f"; only Google Drive outlasts it: put --run-dir in {COLAB_DRIVE}/MyDrive after "
+                 f"drive.mount('{COLAB_DRIVE}')")
+    else:
+        return []
+    notes = [f"note: {name} deletes {run_dir} when this session ends{keeps} (README, "
+             f"Notebooks)"] if lost else []
+    if time_limit and time_limit > hours * 3600:
+        notes.append(f"note: --time-limit {time_limit / 3600:.3g} h outlasts a {name} session here "
+                     f"({hours} h), whose end would come before the run's checkpoint: give it "
+                     f"less (README, Notebooks)")
+    return notes
+
 # Settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
                 "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
@@ -2444,8 +2476,9 @@ def deferred_masking(args, cfg):
 def open_run(args, cfg, ds, objective, masking):
     """(checkpoint to resume from or None, metadata for the run's checkpoints, whether each host
     keeps its own run directory), with the run directory ready: a new one records the run's defining
-    settings; an existing one must hold the same run (the data order depends on the dataset's size:
-    a changed dataset could not resume exactly); a crashed save's temporary files are deleted."""
+    settings, and begins with the history of the run whose checkpoint --resume names; an existing
+    one must hold the same run (the data order depends on the dataset's size: a changed dataset
+    could not resume exactly); a crashed save's temporary files are deleted."""
     settings = {**{k: getattr(args, k) for k in RUN_DEFINING},
                 **{k: getattr(cfg, k) for k in ARCHS["dit"]},  # as model_config resolved them
                 "dataset_size": len(ds), "num_classes": ds.num_classes,
@@ -2453,10 +2486,10 @@ def open_run(args, cfg, ds, objective, masking):
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "unmask_at": args.unmask_at, "latent_scale": ds.latent_scale,
             "objective": objective_record(objective)}
-    path = os.path.join(args.run_dir, "run.json")
+    path, automatic = os.path.join(args.run_dir, "run.json"), args.resume in (None, "latest")
     with on_every_host():  # each host looks in its own --run-dir
         found = list_checkpoints(args.run_dir)
-        checkpoint = (found or [None])[-1] if args.resume in (None, "latest") else args.resume
+        checkpoint = (found or [None])[-1] if automatic else args.resume
         if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
             where = "in " + args.run_dir if args.resume == "latest" else args.resume
             raise InputError(f"--resume: no checkpoint {where}")
@@ -2476,18 +2509,49 @@ def open_run(args, cfg, ds, objective, masking):
                 changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
                 raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
                                  f"--run-dir, or the same settings to resume it.")
+        # a new run directory that goes on from another run's checkpoint goes on with its history
+        before = None if automatic or os.path.exists(path) else run_of(checkpoint)
     local_disks = not run_dir_is_shared(args.run_dir)
     writes = local_disks or jax.process_index() == 0
-    if writes and not os.path.exists(path):
-        write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
+    with on_every_host():  # a host that cannot copy the history ends them all
+        if writes and not os.path.exists(path):
+            if before:  # before run.json, which marks the directory as ready
+                step = read_checkpoint(checkpoint, names=[])[0]["step"]
+                copied = copy_history(before, args.run_dir, step)
+                if jax.process_index() == 0:
+                    print(f"continues {before} at step {step}: its metrics, grids and kept EMA "
+                          f"weights up to there copied (files: {copied['samples']} in samples/, "
+                          f"{copied['ema']} in ema/)")
+            write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
     # Agreed before restoring, itself collective: hosts restoring different files would never meet.
-    checkpoint = agree_on_checkpoint(args.run_dir, checkpoint, args.resume in (None, "latest"))
+    checkpoint = agree_on_checkpoint(args.run_dir, checkpoint, automatic)
     ckpt_dir = os.path.join(args.run_dir, "checkpoints")
     if writes and os.path.isdir(ckpt_dir):
         for name in os.listdir(ckpt_dir):
             if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
                 os.remove(os.path.join(ckpt_dir, name))
     return checkpoint, meta, local_disks
+
+def copy_history(source, run_dir, step):
+    """Begin run_dir with the history of the run in `source` up to step `step`, so that `report`
+    draws the whole run: the records of its metrics.jsonl, one that names `source`, and the files
+    of steps up to `step` in samples/ (grids) and ema/ (kept EMA weights). `source` is only read: a
+    read-only copy will do (a Kaggle version's output). Returns the files copied, by folder."""
+    path = os.path.join(source, "metrics.jsonl")
+    kept = [r for r in read_metrics(path) if r["step"] <= step] if os.path.isfile(path) else []
+    text = "".join(json.dumps(r) + "\n" for r in [*kept, {"step": step, "continues": source}])
+    write_atomically(os.path.join(run_dir, "metrics.jsonl"), lambda f: f.write(text.encode()))
+    copied = {}
+    for folder in ("samples", "ema"):
+        src, dst = os.path.join(source, folder), os.path.join(run_dir, folder)
+        names = [name for name in (os.listdir(src) if os.path.isdir(src) else [])
+                 if (m := re.fullmatch(r"step_(\d+)\.\w+", name)) and int(m[1]) <= step]
+        for name in names:
+            os.makedirs(dst, exist_ok=True)
+            # the contents alone: a read-only copy's modes would make the new run's files read-only
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+        copied[folder] = len(names)
+    return copied
 
 # What a host finds on its own disk (a pod slice's hosts have one each) must not send it down
 # another path through the collectives than the others, where they would wait for it for ever.
@@ -2700,6 +2764,9 @@ def train(args):
     use_compile_cache(args.compile_cache)  # before anything compiles
     mesh = make_mesh()
     check_batch_size(args.batch_size)
+    if jax.process_index() == 0:  # told first, before the data and the model take their time
+        for note in session_notes(args.run_dir, args.time_limit, jax.default_backend(), os.environ):
+            print(note)
     with on_every_host():
         ds = load_dataset(args.dataset, args.data_dir, args.resolution)
     same_data_on_every_host(ds)

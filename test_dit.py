@@ -20,6 +20,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -2184,24 +2185,82 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     c = final_state(tmp_path / "branch")[1]
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
-    assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [4, 5, 6]
+    # with the other run's records up to step 3 (test_a_run_goes_on_from_a_read_only_copy...)
+    assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 @slow
-def test_kill_while_writing_checkpoint_leaves_one_that_resumes(tmp_path, folder_data,
+def test_a_run_goes_on_from_a_read_only_copy_with_its_history(tmp_path, folder_data,
                                                                straight_run):
-    run_dir = tmp_path / "crashed"
-    killed = run_dit(tmp_path, train_args(folder_data, run_dir, 9, VALIDATION),
-                     patch=KILL_WHILE_WRITING, check=False)
-    assert killed.returncode == -9
-    names = sorted(os.listdir(run_dir / "checkpoints"))
-    assert "step_0000003.npz" in names and "step_0000006.npz" not in names
-    # the half-written file is there, under its temporary name
-    assert any(".tmp" in n for n in names)
-    out = run_dit(tmp_path, train_args(folder_data, run_dir, 9, VALIDATION))
-    assert "resumed" in out.stdout and "step_0000003.npz" in out.stdout
-    a, b = final_state(straight_run)[1], final_state(run_dir)[1]
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    """The way from one Kaggle version to the next: a run's folder as the next version mounts it
+    (copied, read-only), and a new --run-dir that goes on from its checkpoint of step 3. The new run
+    begins with the old run's history up to step 3 (records, grids, kept EMA weights; none of the
+    later steps'), and a record that names it, says so in one line, reads the copy only, resumes
+    itself as any run, and ends bit for bit as the uninterrupted run, whose records `report` then
+    reads whole. Under a notebook platform's variables, and there only, the run is told what the
+    session's end would take."""
+    copy, new = tmp_path / "input" / "old", tmp_path / "new"
+    shutil.copytree(straight_run, copy)
+    for folder, step in itertools.product(("samples", "ema"), (3, 6)):  # grids and EMA weights
+        name = f"step_{step:07d}.{'png' if folder == 'samples' else 'safetensors'}"
+        os.makedirs(copy / folder, exist_ok=True)
+        (copy / folder / name).write_bytes(f"{folder} {step}".encode())
+    subprocess.run(["chmod", "-R", "a-w", str(copy)], check=True)  # root writes even so: compared
+    listing = lambda: {(str(p), p.stat().st_mtime_ns, p.stat().st_mode,  # noqa: E731
+                        p.read_bytes() if p.is_file() else None) for p in copy.rglob("*")}
+    before = listing()
+    step3 = copy / "checkpoints" / "step_0000003.npz"
+    continued = run_dit(tmp_path, train_args(folder_data, new, 6, [
+        *VALIDATION, "--resume", str(step3), "--time-limit", "13h"]),
+        env={"KAGGLE_KERNEL_RUN_TYPE": "Batch"})  # a saved version, on a CPU: 12 h
+    resumed = run_dit(tmp_path, train_args(folder_data, new, 9, VALIDATION))
+    assert listing() == before
+    subprocess.run(["chmod", "-R", "u+w", str(copy)], check=True)
+    assert (f"continues {copy} at step 3: its metrics, grids and kept EMA weights up to there "
+            f"copied (files: 1 in samples/, 1 in ema/)") in continued.stdout.splitlines()
+    assert [line for line in continued.stdout.splitlines() if line.startswith("note:")] == [
+        f"note: Kaggle deletes {new} when this session ends, unless it lies in /kaggle/working "
+        f"and is kept: as a saved version's output (Save & Run All), or by the notebook's "
+        f"Persistence setting (files; set before the session ends) (README, Notebooks)",
+        "note: --time-limit 13 h outlasts a Kaggle session here (12 h), whose end would come "
+        "before the run's checkpoint: give it less (README, Notebooks)"]
+    assert "note:" not in resumed.stdout and "continues" not in resumed.stdout
+    assert f"resumed {new / 'checkpoints' / 'step_0000006.npz'}" in resumed.stdout
+    for name, value in state_at(straight_run, 9).items():
+        np.testing.assert_array_equal(state_at(new, 9)[name], value, err_msg=name)
+    history = records(new)
+    assert {"step": 3, "continues": str(copy)} in history
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, 10))
+    assert ([r for r in history if "val_loss" in r]
+            == [r for r in records(straight_run) if "val_loss" in r])
+    assert [r["step"] for r in dit.RunRecords(str(new)).train] == list(range(1, 10))
+    # step 3's copied, 6's and 9's drawn by the new run's ends (--steps 6, then 9)
+    assert sorted(os.listdir(new / "samples")) == [f"step_{s:07d}.png" for s in (3, 6, 9)]
+    assert (new / "samples" / "step_0000003.png").read_bytes() == b"samples 3"
+    assert os.listdir(new / "ema") == ["step_0000003.safetensors"]
+
+@pytest.mark.parametrize("environ, run_dir, platform, time_limit, says", [
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "/kaggle/working/runs/r", "tpu", "8h30m",
+     ["Kaggle deletes"]),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/working/runs/r", "tpu", "8h30m", []),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/temp/r", "gpu", "11h30m", ["Kaggle deletes"]),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/working/r", "tpu", "11h30m",
+     ["--time-limit 11.5 h outlasts a Kaggle session here (9 h)"]),
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Batch"}, "/kaggle/working/r", "gpu", "11h30m", []),
+    ({"COLAB_RELEASE_TAG": "release-colab-1"}, "/content/runs/r", "tpu", None, ["Colab deletes"]),
+    ({"COLAB_GPU": "1"}, "/content/drive/MyDrive/r", "gpu", "13h",
+     ["--time-limit 13 h outlasts a Colab session here (12 h)"]),
+    ({"COLAB_RELEASE_TAG": "release-colab-1"}, "/content/drive/MyDrive/r", "tpu", "11h", []),
+    ({}, "/kaggle/temp/r", "tpu", "100h", []),
+    ({"HOME": "/content"}, "runs/r", "cpu", "100h", []),
+])
+def test_notebook_platforms_tell_what_their_session_keeps(environ, run_dir, platform, time_limit,
+                                                          says):
+    """A run on Kaggle or Colab hears, in one line each, that the session's end deletes its run
+    directory, and that its --time-limit outlasts the session; elsewhere nothing."""
+    seconds = time_limit and dit.duration(time_limit)
+    notes = dit.session_notes(run_dir, seconds, platform, environ)
+    assert len(notes) == len(says) and all(n.startswith("note: " + s) for n, s in zip(notes, says))
+    assert all(n.endswith("(README, Notebooks)") and "\n" not in n for n in notes)
 
 def small_state(step):
     """A training state of 1 MB (250,000 float32 numbers) at `step`."""
@@ -2656,6 +2715,19 @@ def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, f
         for k in straight:
             np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
     assert [r["step"] for r in records(run_dirs[0]) if "loss" in r] == [1, 2, 3]
+    # Each host goes on from its own checkpoint of step 2 in a new folder of its own, which begins
+    # with the history on its disk (process 0 keeps the metrics, and tells).
+    branches = [run_dir.parent / "branch" for run_dir in run_dirs]
+    codes, outs = two_processes(tmp_path, [train_args(folder_data, branch, 3, [
+        *VALIDATION, "--resume", str(run_dir / "checkpoints" / "step_0000002.npz")])
+        for run_dir, branch in zip(run_dirs, branches)])
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert outs[0].count(f"continues {run_dirs[0]} at step 2: ") == 1
+    assert [r["step"] for r in records(branches[0]) if "loss" in r] == [1, 2, 3]
+    assert records(branches[1]) == [{"step": 2, "continues": str(run_dirs[1])}]
+    for branch in branches:
+        for k in straight:
+            np.testing.assert_array_equal(straight[k], final_state(branch)[1][k], err_msg=k)
 
 @slow
 def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path, folder_data):
@@ -3651,56 +3723,118 @@ def kernel(tmp_path):
 TINY = 'DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)'
 
 def readme_cells():
-    """{number: text} of the Python cells in the README's Notebooks section."""
+    """{number: text} of the Python cells in the README's Notebooks section; the third, one for each
+    platform, by the platform's name ("Kaggle", "Colab", "TPU")."""
     with open(os.path.join(HERE, "README.md")) as f:
         text = f.read()
     section = text[text.index("\n## Notebooks"):]
     section = section[:section.index("\n## ", 1)]
-    return {int(re.match(r"# (\d+)\.", cell)[1]): cell
-            for cell in re.findall(r"```python\n(.*?)```", section, re.S)}
+    cells = {}
+    for cell in re.findall(r"```python\n(.*?)```", section, re.S):
+        number, name = re.match(r"# (\d+)\. (\w+)", cell).groups()
+        cells[name if number == "3" else int(number)] = cell
+    return cells
+
+# google.colab's drive.mount, which makes the folder that it mounts Google Drive in
+COLAB = """
+import importlib.util, sys, types
+if importlib.util.find_spec("google") is None:
+    sys.modules["google"] = types.ModuleType("google")
+sys.modules["google.colab"] = types.SimpleNamespace(drive=types.SimpleNamespace(
+    mount=lambda path: os.makedirs(os.path.join(path, "MyDrive"), exist_ok=True)))
+"""
 
 @slow
 def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_run):
-    """The README's notebook cells, with fid.py's and dit.py's text pasted into cells and the
-    test's own settings: training stopped by the stop button ends with a checkpoint and one line;
-    the same cell again continues it, bit for bit as the command line's uninterrupted run; the cell
-    shows a one-line summary, sampling shows the grid, and a bad option is one line with the kernel
-    alive. (The FID cell needs the real Inception weights.)"""
+    """The README's notebook cells, with fid.py's and dit.py's text pasted into cells, and the
+    platforms' folders in the test's, its data and tiny model. On Kaggle, a saved version's training
+    stopped by the stop button ends with a checkpoint and one line; the next version, with the
+    output of that one as its read-only input, goes on from there with the run's history and ends
+    bit for bit as the command line's uninterrupted run. On Colab the run goes to the mounted
+    Drive; neither platform's run hears that its session would delete it. The cell shows a one-line
+    summary, sampling shows the grid, and a bad option is one line with the kernel alive. (The FID
+    cell needs the real Inception weights.)"""
     cells = readme_cells()
+    assert set(cells) == {1, 2, "Kaggle", "Colab", "TPU", 4, 5, 6}
     assert cells[1].startswith("# 1. Install") and cells[2].startswith("# 2. Paste")
     assert kernel.paste(os.path.join(HERE, "fid.py")) == ("ok", [])
     assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
-    assert set(re.findall(r"^(\w+) =", cells[3], re.M)) == {"DATA", "RUN", "ARGS"}
-    run_dir = tmp_path / "run"
-    argv = train_args(folder_data, run_dir, 9, VALIDATION)
-    settings = f"{TINY}\nDATA, RUN, ARGS = {folder_data!r}, {str(run_dir)!r}, {argv!r}"
-    assert kernel.run(settings)[0] == "ok"
+    kaggle, content = tmp_path / "kaggle", tmp_path / "content"
 
-    # The stop button while batches come slowly (a second each), once a step is logged.
+    def here(cell):
+        """The cell with the test's folders, data, model and options (its own --data-dir and
+        --run-dir come after the test's options, and win)."""
+        for path, ours in (("/kaggle/input/in100-256", folder_data),
+                           ("/content/drive/MyDrive/in100-256", folder_data),
+                           ('"in100-256"', repr(folder_data)), ("/kaggle/", f"{kaggle}/"),
+                           ("/content/", f"{content}/"),
+                           ('"--size", "S", "--dataset", "imagenet100"', "*OPTIONS")):
+            cell = cell.replace(path, ours)
+        return cell
+
+    settings = (f"{TINY}\nOPTIONS = {train_args(folder_data, None, 9, VALIDATION)!r}\n"
+                f"KAGGLE_WORKING, COLAB_DRIVE = {str(kaggle / 'working')!r}, "
+                f"{str(content / 'drive')!r}\nos.environ['KAGGLE_KERNEL_RUN_TYPE'] = 'Batch'")
+    assert kernel.run(settings)[0] == "ok"
+    os.makedirs(kaggle / "working")
+    assert kernel.run(here(cells["Kaggle"])) == ("ok", [])
+    run_dir = kaggle / "working" / "runs" / "imagenet100-DiT-S-2"
+
+    # A saved version's run, stopped by the stop button while batches come slowly (a second each),
+    # once a step is logged.
     slow = ("batch = Loader.batch\n"
             "Loader.batch = lambda self, step: (time.sleep(1), batch(self, step))[1]")
     assert kernel.run(slow)[0] == "ok"
-    status, out = kernel.run(cells[4],
+    status, out = kernel.run(here(cells[4]),
                              interrupt_when=lambda: os.path.exists(run_dir / "metrics.jsonl"))
     assert status == "ok" and not [text for kind, text in out if kind == "error"], out
     step = int(re.fullmatch(r"Run\(.*, step=(\d), .*, stopped='interrupted'\)",
                             dict(out)["text/plain"])[1])
     assert 1 <= step < 9
     saved = str(run_dir / "checkpoints" / f"step_{step:07d}.npz")
+    stdout = "".join(text for kind, text in out if kind == "stdout")
     assert (f"interrupted at step {step} of 9: saved {saved}; the same command continues from "
-            f"there") in "".join(text for kind, text in out if kind == "stdout"), out
+            f"there") in stdout and "note:" not in stdout, out
 
-    # The next session: the same cell continues the run, and ends as the uninterrupted one.
+    # The next version: this one's output, read-only in /kaggle/input, and a new /kaggle/working.
+    output = kaggle / "input" / "dit-s-2"
+    os.makedirs(output.parent)
+    shutil.move(kaggle / "working", output)
+    os.makedirs(kaggle / "working")
+    subprocess.run(["chmod", "-R", "a-w", str(output)], check=True)
     assert kernel.run("Loader.batch = batch")[0] == "ok"
-    status, out = kernel.run(cells[4])
+    assert kernel.run(here(cells["Kaggle"])) == ("ok", [])
+    status, out = kernel.run(here(cells[4]))
+    subprocess.run(["chmod", "-R", "u+w", str(output)], check=True)
     assert status == "ok", out
     assert re.fullmatch(rf"Run\(run_dir='{re.escape(str(run_dir))}', step=9, "
                         rf"loss=\d\.\d+(e-\d+)?, fid=None, stopped=None\)",
                         dict(out)["text/plain"]), out
+    stdout = "".join(text for kind, text in out if kind == "stdout")
+    assert f"continues {output / 'runs' / 'imagenet100-DiT-S-2'} at step {step}: " in stdout, out
+    assert "note:" not in stdout, out
     for name, value in state_at(straight_run, 9).items():
         np.testing.assert_array_equal(state_at(run_dir, 9)[name], value, err_msg=name)
-    status, out = kernel.run(cells[5])
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 10))
+    assert ([r for r in records(run_dir) if "val_loss" in r]
+            == [r for r in records(straight_run) if "val_loss" in r])
+    status, out = kernel.run(here(cells[5]))
     assert status == "ok" and "image/png" in dict(out), out
+
+    # Colab: the data copied from the mounted Drive, the run on it; a run of 3 steps.
+    os.makedirs(content)
+    assert kernel.run(f"{COLAB}\ndel os.environ['KAGGLE_KERNEL_RUN_TYPE']\n"
+                      f"os.environ['COLAB_RELEASE_TAG'] = 'release-colab-1'\n"
+                      f"OPTIONS[OPTIONS.index('--steps') + 1] = '3'")[0] == "ok"
+    assert kernel.run(here(cells["Colab"])) == ("ok", [])
+    status, out = kernel.run(here(cells[4]))
+    assert status == "ok" and "note:" not in "".join(text for kind, text in out), out
+    assert re.fullmatch(r"Run\(run_dir='.*/content/drive/MyDrive/runs/imagenet100-DiT-S-2', "
+                        r"step=3, .*, stopped=None\)", dict(out)["text/plain"]), out
+    # A TPU VM: the run beside the notebook
+    assert kernel.run(here(cells["TPU"])) == ("ok", [])
+    assert kernel.run("print(DATA, RUN, MORE)") == (
+        "ok", [("stdout", f"{folder_data} runs/imagenet100-DiT-S-2 []\n")])
 
     status, out = kernel.run("main(['--size', 'Q'])")
     assert status == "error"
