@@ -4491,6 +4491,30 @@ def test_fid_reference_batches(tmp_path, monkeypatch, inception):
     with pytest.raises(dit.InputError, match="pytorch-fid protocol, not adm"):
         fid.evaluate(images[:2], str(tmp_path / "pt.npz"), inception, protocol="adm")
 
+@slow
+def test_judge_reads_real_photos_and_is_seeded(tmp_path):
+    """fixtures/judge.py, trained for a few epochs on the committed CIFAR-10 JPEGs but 5 of each
+    class, reads those 50 as their labels better than chance and than with the labels shuffled;
+    real against real is nearer than real against noise; a second training from the same seed, and
+    the weights read back from its cache, give the same figures."""
+    import judge
+    root = tmp_path / "cifar10-jpeg"
+    for name, paths in real_jpegs(root / "train", per_class=20, classes=10).items():
+        os.makedirs(root / "test" / name)
+        for path in paths[:5]:
+            shutil.move(path, root / "test" / name)
+    _, _, held, labels = judge.real_images("cifar10", str(root), 0)
+    noise = np.random.default_rng(0).integers(0, 256, held.shape, np.uint8)
+    sets = [(held, labels), (held, np.random.default_rng(1).permutation(labels)), (noise, labels)]
+    run = lambda cache: judge.judge(sets, "cifar10", str(root), epochs=40,  # noqa: E731
+                                    cache=cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 50 samples give singular covariances of 256 features
+        real, shuffled, noisy = first = run(str(tmp_path / "judge.npz"))
+        assert run(None) == first and run(str(tmp_path / "judge.npz")) == first
+    assert real["accuracy"] == real["classifier_accuracy"] > max(0.1, shuffled["accuracy"])
+    assert real["frechet_real"] < noisy["frechet"]
+
 #################################################################################
 #                                                                               #
 #                             prepare_imagenet100.py                            #
