@@ -1191,7 +1191,8 @@ def guidance_models(objective="rf", **overrides):
     noise = jax.random.normal(jax.random.key(0), (3, 8, 8, cfg.in_channels))
     return model, guide, noise, jnp.array([0, 1, 2])
 
-@pytest.mark.parametrize("objective, method", [("rf", "heun"), ("ddpm", "ddim")])
+@pytest.mark.parametrize("objective, method", [("rf", "heun"),
+                                               pytest.param("ddpm", "ddim", marks=slow)])
 def test_autoguidance_is_the_model_where_it_cannot_differ(objective, method):
     """Autoguidance at weight 1, or by the model itself at any weight, samples as the model alone,
     bit for bit, with and without classifier-free guidance; and CFG alone is the sampler that
@@ -1209,8 +1210,7 @@ def test_autoguidance_is_the_model_where_it_cannot_differ(objective, method):
         np.testing.assert_array_equal(run(cfg_scale, "guide", 1.0), alone)
         assert np.abs(np.asarray(run(cfg_scale, "guide", 2.0)) - alone).max() > 1e-3
         if cfg_scale == 1:
-            for w in (0.5, 3.0):
-                np.testing.assert_array_equal(run(cfg_scale, "model", w), alone)
+            np.testing.assert_array_equal(run(cfg_scale, "model", 3.0), alone)
         else:  # CFG's doubled batch computes the model's half in a batch other than the guide's
             np.testing.assert_allclose(run(cfg_scale, "model", 3.0), alone, rtol=1e-5, atol=1e-5)
     # CFG alone, as the objective's sampler runs forward_with_cfg on the doubled batch
