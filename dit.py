@@ -413,8 +413,8 @@ class DiT(nnx.Module):
         channels; None guides the noise or velocity, never a learned variance. `interval`, a pair
         (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise range, elsewhere sampling
         conditionally (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval").
-        `guide`, (another network's prediction for the first half, weight w), adds autoguidance's
-        term (w - 1) * (cond - guide) beside CFG's, at every step (`sample`)."""
+        `guide`, a pair (another network's prediction for the first half, its weight w), adds
+        autoguidance's term (w - 1) * (cond - guide) to CFG's at every timestep (`sample`)."""
         half = x[: x.shape[0] // 2]
         out = self(jnp.concatenate([half, half]), t, y)              # (2B, H, W, C_out)
         C = self.cfg.in_channels
