@@ -2236,7 +2236,12 @@ def test_a_run_goes_on_from_a_read_only_copy_with_its_history(tmp_path, folder_d
     # step 3's copied, 6's and 9's drawn by the new run's ends (--steps 6, then 9)
     assert sorted(os.listdir(new / "samples")) == [f"step_{s:07d}.png" for s in (3, 6, 9)]
     assert (new / "samples" / "step_0000003.png").read_bytes() == b"samples 3"
-    assert os.listdir(new / "ema") == ["step_0000003.safetensors"]
+    # step 3's EMA copied, step 6's kept by the new run itself (--keep-ema), as the uninterrupted
+    # run kept it
+    assert sorted(os.listdir(new / "ema")) == [f"step_{s:07d}.safetensors" for s in (3, 6)]
+    assert (new / "ema" / "step_0000003.safetensors").read_bytes() == b"ema 3"
+    assert ((new / "ema" / "step_0000006.safetensors").read_bytes()
+            == (straight_run / "ema" / "step_0000006.safetensors").read_bytes())
 
 @pytest.mark.parametrize("environ, run_dir, platform, time_limit, says", [
     ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "/kaggle/working/runs/r", "tpu", "8h30m",
