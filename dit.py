@@ -3663,6 +3663,11 @@ def sample_command(args):
     guides = list(dict.fromkeys((None, 1.0) if w == 1 else (guide, w)
                                 for guide in args.guide or [None]
                                 for w in args.guide_scale or [1.0]))
+    names = [os.path.splitext(os.path.basename(g))[0] for g in dict.fromkeys(args.guide or [])]
+    if len(set(names)) < len(names):  # the samples' files and report's lines go by the name
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InputError(f"--guide: two guides are named {twice}, and their samples would share "
+                         f"a file; copy one under another name")
     settings = list(itertools.product(scales, args.guidance_interval or [None], guides))
     if args.fid:
         check_batch_size(args.batch_size)

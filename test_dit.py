@@ -3581,6 +3581,10 @@ def test_a_guide_that_cannot_guide_is_named_with_the_model(tmp_path, straight_ru
         f"smaller model trained on the same data")
     with pytest.raises(dit.InputError, match="--guide and --guide-scale go together"):
         dit.main(["sample", "--ckpt", model, "--guide", str(other)])
+    # two guides of one name would write their samples to one file
+    with pytest.raises(dit.InputError, match="two guides are named edm"):
+        dit.main(["sample", "--ckpt", model, "--fid", "4", "--guide", str(other), "--guide",
+                  str(tmp_path / "b" / "edm.npz"), "--guide-scale", "2"])
 
 @slow
 def test_notebook_shows_the_report(kernel, tmp_path):
