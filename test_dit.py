@@ -1194,8 +1194,8 @@ def guidance_models(objective="rf", **overrides):
 @pytest.mark.parametrize("objective, method", [("rf", "heun"),
                                                pytest.param("ddpm", "ddim", marks=slow)])
 def test_autoguidance_is_the_model_where_it_cannot_differ(objective, method):
-    """Autoguidance at weight 1, or by the model itself at any weight, samples as the model alone,
-    bit for bit, with and without classifier-free guidance; and CFG alone is the sampler that
+    """Autoguidance at weight 1 samples as the model alone, bit for bit, and by the model itself at
+    any weight within rounding, with and without classifier-free guidance; and CFG alone is the sampler that
     forward_with_cfg drives, as before autoguidance."""
     model, guide, noise, y = guidance_models(objective)
     objective = dit.make_objective(objective)
@@ -1209,10 +1209,9 @@ def test_autoguidance_is_the_model_where_it_cannot_differ(objective, method):
         alone = np.asarray(run(cfg_scale))
         np.testing.assert_array_equal(run(cfg_scale, "guide", 1.0), alone)
         assert np.abs(np.asarray(run(cfg_scale, "guide", 2.0)) - alone).max() > 1e-3
-        if cfg_scale == 1:
-            np.testing.assert_array_equal(run(cfg_scale, "model", 3.0), alone)
-        else:  # CFG's doubled batch computes the model's half in a batch other than the guide's
-            np.testing.assert_allclose(run(cfg_scale, "model", 3.0), alone, rtol=1e-5, atol=1e-5)
+        # Within rounding: XLA may fuse the two passes differently, or fold out + 2 (out - guide)
+        # into 3 out - 2 guide; with CFG the model's half runs in a batch other than the guide's.
+        np.testing.assert_allclose(run(cfg_scale, "model", 3.0), alone, rtol=1e-5, atol=1e-5)
     # CFG alone, as the objective's sampler runs forward_with_cfg on the doubled batch
     y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
     doubled = jax.jit(lambda: objective.sample(lambda x, t: model.forward_with_cfg(x, t, y2, 2.5),
