@@ -48,7 +48,6 @@ call main(["--size", "S", ...]) with the same arguments.
 import argparse
 import collections
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import gzip
@@ -176,6 +175,9 @@ class DiTConfig:
     rms_norm: bool = False           # RMSNorm instead of LayerNorm before every modulate
     swiglu: bool = False             # a SwiGLU feed-forward layer with as many weights
     rope: bool = False               # 2-D rotary position embeddings, beside the sin-cos table
+    # Heads on the tokens of an intermediate block (Part II, section 12), trained by their terms:
+    internal_block: int = 0          # > 0: internal guidance's output head after this block
+    sra_head: bool = False           # SRA's projection head, for training only: never exported
 
     def __post_init__(self):
         if self.input_size % self.patch_size:
@@ -301,14 +303,14 @@ class Attention(nnx.Module):
         self.qkv = nnx.Linear(dim, 3 * dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
         self.proj = nnx.Linear(dim, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):  # (B, T, D) -> (B, T, D)
+    def __call__(self, x, positions=None):  # (B, T, D) -> (B, T, D)
         B, T, D = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
         q, k, v = qkv.transpose(2, 0, 1, 3, 4)  # each (B, T, H, D/H)
-        return self.proj(self.attend(q, k, v).reshape(B, T, D))
+        return self.proj(self.attend(q, k, v, positions).reshape(B, T, D))
 
-    def attend(self, q, k, v):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
-        return jax.nn.dot_product_attention(q, k, v)
+    def attend(self, q, k, v, positions):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
+        return jax.nn.dot_product_attention(q, k, v)  # positions: in the tokens (DiT+: RoPE's)
 
 def gelu(x):
     """The tanh-approximated GELU of the official Mlp."""
@@ -317,9 +319,9 @@ def gelu(x):
 class Mlp(nnx.Module):
     """The transformer's feed-forward layer: Linear, GELU, Linear."""
 
-    def __init__(self, dim, hidden, *, dtype, rngs):
+    def __init__(self, dim, hidden, act=gelu, *, dtype, rngs):
         self.fc1 = nnx.Linear(dim, hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
-        self.act = gelu
+        self.act = act
         self.fc2 = nnx.Linear(hidden, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):  # (B, T, D) -> (B, T, D)
@@ -333,29 +335,34 @@ class DiTBlock(nnx.Module):
     identity, which the paper found best among the conditioning schemes it tried (Fig. 5)."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
-        self.norm = layer_norm
+        self.norm = self.normalisation(cfg)
         self.attn = self.attention(cfg, dtype=dtype, rngs=rngs)
         self.mlp = self.feed_forward(cfg, dtype=dtype, rngs=rngs)
         self.adaLN_modulation = adaln_zero(cfg.hidden_size, 6, dtype=dtype, rngs=rngs)
 
-    def attention(self, cfg, **layer):  # DiT+'s block replaces it, and feed_forward
+    @staticmethod
+    def normalisation(cfg):  # DiT+'s block replaces it, attention and feed_forward
+        return layer_norm
+
+    def attention(self, cfg, **layer):
         return Attention(cfg.hidden_size, cfg.num_heads, **layer)
 
     def feed_forward(self, cfg, **layer):
         return Mlp(cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio), **layer)
 
-    def __call__(self, x, c):  # x (B, T, D), c (B, D)
+    def __call__(self, x, c, positions=None):  # x (B, T, D), c (B, D), positions (B, T) or None
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
             self.adaLN_modulation(c), 6, axis=-1)
-        x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa))
+        x = x + gate_msa[:, None] * self.attn(modulate(self.norm(x), shift_msa, scale_msa),
+                                              positions)
         return x + gate_mlp[:, None] * self.mlp(modulate(self.norm(x), shift_mlp, scale_mlp))
 
 class FinalLayer(nnx.Module):
     """adaLN-modulated LayerNorm and a zero-initialised linear decoder from tokens to patches."""
 
-    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
+    def __init__(self, cfg: DiTConfig, norm=layer_norm, *, dtype, rngs):
         D, p = cfg.hidden_size, cfg.patch_size
-        self.norm = layer_norm
+        self.norm = norm
         self.linear = nnx.Linear(D, p * p * cfg.out_channels, kernel_init=zeros, dtype=dtype,
                                  rngs=rngs)
         self.adaLN_modulation = adaln_zero(D, 2, dtype=dtype, rngs=rngs)
@@ -371,23 +378,43 @@ class DiT(nnx.Module):
     (bfloat16 or float16 for mixed precision); parameters stay float32."""
     Block = DiTBlock  # DiTPlus (Part II) builds DiT+'s in its place
 
-    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, **block_options):
         self.cfg, self.dtype = cfg, dtype
         D = cfg.hidden_size
         self.x_embedder = PatchEmbed(cfg.in_channels, D, cfg.patch_size, dtype=dtype, rngs=rngs)
         self.t_embedder = TimestepEmbedder(D, dtype=dtype, rngs=rngs)
         if cfg.num_classes:
             self.y_embedder = LabelEmbedder(cfg.num_classes, D, cfg.class_dropout_prob, rngs=rngs)
-        self.blocks = nnx.List([self.Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
-        self.final_layer = FinalLayer(cfg, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([self.Block(cfg, dtype=dtype, rngs=rngs, **block_options)
+                                for _ in range(cfg.depth)])
+        self.final_layer = FinalLayer(cfg, self.Block.normalisation(cfg), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, t, y, drop_key=None):
         """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
         model is unconditional). `drop_key` turns on the random label dropout of training."""
+        return self.forward(x, t, y, drop_key)[0]
+
+    def forward(self, x, t, y, drop_key=None, taps=(), keep=None, mix=0):
+        """(the prediction (B, H, W, C_out), the intermediates: "c" (B, D) and "block{k}", the
+        tokens (B, T, D) after each block k in `taps`, counted from 1), for what trains or guides
+        with them (Part II). With `keep` (B, T_keep), deferred masking's kept patches (Part II): the
+        blocks after the first `mix` see only those, and the prediction is zero at the others."""
         x, c = self.embed(x, t, y, drop_key)                         # (B, T, D), (B, D)
-        for block in self.blocks:
-            x = block(x, c)                                          # (B, T, D)
-        return self.unpatchify(self.final_layer(x, c))               # (B, H, W, C_out)
+        hidden, positions = {"c": c}, None
+        for k, block in enumerate(self.blocks, 1):
+            if keep is not None and k == mix + 1:                    # each image keeps its share
+                x, positions = jnp.take_along_axis(x, keep[..., None], axis=1), keep
+            x = block(x, c, positions)                               # (B, T or T_keep, D)
+            if k in taps:
+                hidden[f"block{k}"] = x
+        return self.predict(self.final_layer, x, c, keep), hidden    # (B, H, W, C_out)
+
+    def predict(self, head, x, c, keep=None):
+        """A head's prediction (B, H, W, C_out) from tokens x (B, T, D), or (B, T_keep, D) where
+        keep names their patches (zero at the others)."""
+        if keep is None:
+            return self.unpatchify(head(x, c))
+        return scatter_patches(self, head(x, c), keep)
 
     def embed(self, x, t, y, drop_key=None):
         """Fig. 3's inputs to the blocks: tokens plus positions (B, T, D), c (B, D) from t and y."""
@@ -404,7 +431,7 @@ class DiT(nnx.Module):
         return x.reshape(x.shape[0], g * p, g * p, -1).astype(jnp.float32)
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None,
-                         guide=None):
+                         guide=None, predict=None):
         """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official
         sampler uses it. The batch is two halves, conditional labels first and null labels second;
         the first half of x serves both (the second half is ignored), and both halves get the guided
@@ -414,9 +441,10 @@ class DiT(nnx.Module):
         (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise range, elsewhere sampling
         conditionally (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval").
         `guide`, a pair (another network's prediction for the first half, its weight w), adds
-        autoguidance's term (w - 1) * (cond - guide) to CFG's at every timestep (`sample`)."""
+        autoguidance's term (w - 1) * (cond - guide) to CFG's at every timestep (`sample`).
+        `predict(x, t, y)` is the network's prediction where not the model's own (`sample`)."""
         half = x[: x.shape[0] // 2]
-        out = self(jnp.concatenate([half, half]), t, y)              # (2B, H, W, C_out)
+        out = (predict or self)(jnp.concatenate([half, half]), t, y)  # (2B, H, W, C_out)
         C = self.cfg.in_channels
         n = C if guidance_channels is None else min(guidance_channels, C)
         cond, uncond = jnp.split(out[..., :n], 2)                    # each (B, H, W, n)
@@ -634,12 +662,15 @@ class GaussianDiffusion:
         mse = _mean_flat((noise - eps) ** 2, mask)
         return {"loss": mse + vb, "mse": mse, "vb": vb, "level": t / self.num_timesteps}
 
-    def training_losses(self, model_fn, x0, key, mask=None):
-        """losses_at with t uniform over the chain's steps and standard normal noise, from key."""
+    def draw(self, key, x0):
+        """Training's t (B,) uniform over the chain's steps and standard normal noise like x0."""
         key_t, key_noise = jax.random.split(key)
         t = jax.random.randint(key_t, (x0.shape[0],), 0, self.num_timesteps)
-        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, t, noise, mask)
+        return t, jax.random.normal(key_noise, x0.shape, x0.dtype)
+
+    def training_losses(self, model_fn, x0, key, mask=None):
+        """losses_at with t and noise drawn from key."""
+        return self.losses_at(model_fn, x0, *self.draw(key, x0), mask)
 
     def sample(self, model_fn, noise, key, steps, method="ddpm", return_trajectory=False):
         """Sample on the chain of `steps` evenly spaced timesteps (official respacing: "250" for
@@ -727,11 +758,15 @@ class RectifiedFlow:
         error = (noise - x0 - self._velocity(model_fn, x_t, t)) ** 2
         return {"loss": _mean_flat(error, mask), "level": t}
 
-    def training_losses(self, model_fn, x0, key, mask=None):
-        """losses_at with t from timestep_sampling and standard normal noise, drawn from key."""
+    def draw(self, key, x0):
+        """Training's t (B,) from timestep_sampling and standard normal noise like x0."""
         key_t, key_noise = jax.random.split(key)
         noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, self.sample_timesteps(key_t, x0.shape[0]), noise, mask)
+        return self.sample_timesteps(key_t, x0.shape[0]), noise
+
+    def training_losses(self, model_fn, x0, key, mask=None):
+        """losses_at with t and noise drawn from key."""
+        return self.losses_at(model_fn, x0, *self.draw(key, x0), mask)
 
     def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
         """Integrate dx/dt = v(x, t) from noise at t = 1 to t = 0 in `steps` equal steps, "euler" or
@@ -788,9 +823,10 @@ def loss_gradient(loss_fn, state):
     """The gradient of loss_fn (params -> (loss, aux)) at the state's parameters, and aux."""
     return jax.grad(loss_fn, has_aux=True)(state["params"])
 
-def batch_losses(objective, model, x, y, key, drop_key):
+def batch_losses(objective, model, x, y, key, drop_key, ema):
     """The objective's per-sample training losses of the model on the batch x (B, H, W, C), y (B,):
-    timesteps and noise drawn from key, the label dropout from drop_key."""
+    timesteps and noise drawn from key, the label dropout from drop_key. (The EMA weights `ema`
+    are for the auxiliary terms of Part II.)"""
     return objective.training_losses(lambda xt, t: model(xt, t, y, drop_key=drop_key), x, key)
 
 def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
@@ -798,7 +834,8 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
     """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
     the metrics being the mean loss, the gradient's norm and the objective's per-sample `losses`.
     `gradient` computes the gradients from the loss (the harness scales float16's), `batch_losses`
-    the per-sample losses (the harness's deferred masking counts a share of the patches).
+    the per-sample losses (the harness's TrainingLoss counts deferred masking's share of the
+    patches and adds auxiliary terms, "aux", each a weighted scalar).
 
     The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
     so a resumed run draws exactly what an uninterrupted one would, on any number of devices."""
@@ -808,8 +845,8 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 
         def loss_fn(params):
             losses = batch_losses(objective, nnx.merge(graphdef, params), x, y, key_objective,
-                                  key_drop)
-            return losses["loss"].mean(), losses
+                                  key_drop, state["ema"])
+            return sum(losses.get("aux", {}).values(), losses["loss"].mean()), losses
 
         grads, losses = gradient(loss_fn, state)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -831,39 +868,54 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 #                                  7. Sampling                                  #
 #################################################################################
 
-def check_guidance(cfg, cfg_scale):
+def check_guidance(cfg, cfg_scale, internal_scale=1.0):
     """Refuse guidance (cfg_scale != 1) of a class-conditional model of configuration cfg that was
-    trained without label dropout: it has no null label to guide with."""
+    trained without label dropout: it has no null label to guide with; and internal guidance of a
+    model without an internal head."""
     if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
         raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
                          f"dropout, so it has no null label to guide with; sample at scale 1")
+    if internal_scale != 1 and not cfg.internal_block:
+        raise InputError(f"internal guidance {internal_scale:g}: the model has no internal head; "
+                         f"train it with --internal-guidance, or sample at scale 1")
 
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
-           interval=None, guide=None, guide_scale=1.0, return_trajectory=False):
+           interval=None, guide=None, guide_scale=1.0, internal_scale=1.0,
+           return_trajectory=False):
     """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
     guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
     With a `guide` and guide_scale w != 1, autoguidance (Karras et al. 2024, "Guiding a diffusion
     model with a bad version of itself"): a weaker network of the same data, such as an earlier
     EMA of the same run, predicts too, and the prediction becomes guide + w * (model - guide),
     beside CFG's term as their Appendix B.2 combines the two. Guided are the same channels as by
-    CFG; the interval limits CFG alone. Pure; jit it. A model without classes samples without CFG."""
-    check_guidance(model.cfg, cfg_scale)
+    CFG; the interval limits CFG alone. With internal_scale w != 1, internal guidance (Part II,
+    section 12): the network's prediction is first internal + w * (final - internal), the internal
+    head's and the final layer's, on the same channels. Pure; jit it. A model without classes
+    samples without CFG."""
+    check_guidance(model.cfg, cfg_scale, internal_scale)
     n = noise.shape[0]
+    c = min(guidance_channels or model.cfg.in_channels, model.cfg.in_channels)
     autoguided = guide is not None and guide_scale != 1
+    predict = model
+    if internal_scale != 1:
+        def predict(x, t, y):
+            out, hidden = model.forward(x, t, y)                     # (B, H, W, C_out)
+            inner = hidden["internal"][..., :c]
+            return out.at[..., :c].set(inner + internal_scale * (out[..., :c] - inner))
     if cfg_scale != 1 and model.cfg.num_classes:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
             x, t, y2, cfg_scale, guidance_channels, interval,
-            (guide(x[:n], t[:n], y), guide_scale) if autoguided else None)
+            (guide(x[:n], t[:n], y), guide_scale) if autoguided else None, predict)
     elif autoguided:
-        x, c = noise, min(guidance_channels or model.cfg.in_channels, model.cfg.in_channels)
+        x = noise
 
         def model_fn(x, t):
-            out, worse = model(x, t, y), guide(x, t, y)              # (B, H, W, C_out) each
+            out, worse = predict(x, t, y), guide(x, t, y)            # (B, H, W, C_out) each
             return out.at[..., :c].add((guide_scale - 1) * (out[..., :c] - worse[..., :c]))
     else:
-        x, model_fn = noise, lambda x, t: model(x, t, y)  # noqa: E731
+        x, model_fn = noise, lambda x, t: predict(x, t, y)  # noqa: E731
     out = objective.sample(model_fn, x, key, steps, method, return_trajectory=return_trajectory)
     return (out[0][:n], out[1][:, :n]) if return_trajectory else out[:n]
 
@@ -949,10 +1001,6 @@ def apply_rope(x, cos, sin):
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
 
-# Each token's patch (B, T) while deferred masking's backbone runs on the kept tokens, None on the
-# whole grid: a context, as matmul_precision's, so that the paper's block takes no new argument.
-kept_patches = contextvars.ContextVar("kept_patches", default=None)
-
 class DiTPlusAttention(Attention):
     """Attention whose queries and keys are changed before they meet. qk_norm: each head's are
     RMS-normalised with a learned scale, which bounds the attention logits (SD3, Esser et al.
@@ -965,19 +1013,20 @@ class DiTPlusAttention(Attention):
             self.q_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
             self.k_norm = nnx.RMSNorm(dim // num_heads, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, positions):
         if self.qk_norm or self.rope_grid is not None:  # recomputed in the backward pass
-            q, k = recompute_call(DiTPlusAttention.queries_and_keys, self, q, k, remat="full")
+            q, k = recompute_call(DiTPlusAttention.queries_and_keys, self, q, k, positions,
+                                  remat="full")
         return jax.nn.dot_product_attention(
             q, k, v, implementation=attention_implementation(q.dtype, q.shape[-1]))
 
-    def queries_and_keys(self, q, k):  # q, k (B, T, H, D/H)
+    def queries_and_keys(self, q, k, positions):  # q, k (B, T, H, D/H); positions (B, T) or None
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_grid is not None:
             rope = tuple(jnp.asarray(a) for a in rope_tables(q.shape[-1], self.rope_grid))
-            if kept_patches.get() is not None:  # each token turns by its own patch's position
-                rope = tuple(a[kept_patches.get()] for a in rope)        # each (B, T, D/H)
+            if positions is not None:  # each token turns by its own patch's position
+                rope = tuple(a[positions] for a in rope)                  # each (B, T, D/H)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k
 
@@ -1001,10 +1050,13 @@ class DiTPlusBlock(DiTBlock):
     """The paper's DiT block (adaLN-Zero, the forward pass) with the parts cfg's switches replace;
     norms and activations are recomputed in the backward pass, the whole block as `remat` says."""
 
-    def __init__(self, cfg: DiTConfig, *, dtype, rngs):
+    def __init__(self, cfg: DiTConfig, *, dtype, remat, rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
-        self.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
-        self.remat = None  # DiTPlus sets it
+        self.remat = remat
+
+    @staticmethod
+    def normalisation(cfg):
+        return recomputed(rms_norm if cfg.rms_norm else layer_norm)
 
     def attention(self, cfg, **layer):
         return DiTPlusAttention(cfg.hidden_size, cfg.num_heads, cfg.qk_norm,
@@ -1013,12 +1065,10 @@ class DiTPlusBlock(DiTBlock):
     def feed_forward(self, cfg, **layer):
         if cfg.swiglu:
             return SwiGLU(cfg.hidden_size, 2 * int(cfg.hidden_size * cfg.mlp_ratio) // 3, **layer)
-        mlp = super().feed_forward(cfg, **layer)
-        mlp.act = recomputed(gelu)
-        return mlp
+        return Mlp(cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio), recomputed(gelu), **layer)
 
-    def __call__(self, x, c):
-        return recompute_call(DiTBlock.__call__, self, x, c, remat=self.remat)
+    def __call__(self, x, c, positions=None):
+        return recompute_call(DiTBlock.__call__, self, x, c, positions, remat=self.remat)
 
 class DiTPlus(DiT):
     """The model the harness trains and samples, for both architectures: DiT with DiT+'s blocks and
@@ -1027,15 +1077,23 @@ class DiTPlus(DiT):
     Block = DiTPlusBlock
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype=dtype, rngs=rngs)
-        self.final_layer.norm = recomputed(rms_norm if cfg.rms_norm else layer_norm)
-        for block in self.blocks:
-            block.remat = remat
+        super().__init__(cfg, dtype=dtype, rngs=rngs, remat=remat)
+        if cfg.internal_block:  # internal guidance's head, as the final layer (section 12)
+            self.internal_head = FinalLayer(cfg, self.Block.normalisation(cfg), dtype=dtype,
+                                            rngs=rngs)
+        if cfg.sra_head:  # SRA's projection head, trained and never exported (section 12)
+            self.sra_head = ProjectionHead(cfg.hidden_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, t, y, drop_key=None, forward=DiT.__call__):
-        """`forward(self, x, t, y, drop_key)`, DiT's or deferred masking's, in matmul_precision."""
+    def forward(self, x, t, y, drop_key=None, taps=(), keep=None, mix=0):
+        """DiT's, in matmul_precision; with cfg.internal_block, the intermediates' "internal" is
+        the internal head's prediction (B, H, W, C_out) from the tokens after that block."""
+        b = self.cfg.internal_block
         with matmul_precision(self.dtype):
-            return forward(self, x, t, y, drop_key)
+            out, hidden = super().forward(x, t, y, drop_key, {*taps, b} if b else taps, keep, mix)
+            if b:
+                hidden["internal"] = self.predict(self.internal_head, hidden[f"block{b}"],
+                                                  hidden["c"], keep if b > mix else None)
+        return out, hidden
 
 #################################################################################
 #                    10. EDM: the objective beyond the paper                    #
@@ -1082,12 +1140,15 @@ class EDM:
         return {"loss": _mean_flat((s ** 2 + sd ** 2) / (s * sd) ** 2 * error, mask),
                 "level": sigma / (1 + sigma)}
 
-    def training_losses(self, model_fn, x0, key, mask=None):
-        """losses_at with log-normal sigma and standard normal noise, drawn from key."""
+    def draw(self, key, x0):
+        """Training's log-normal sigma (B,) and standard normal noise like x0."""
         key_sigma, key_noise = jax.random.split(key)
         sigma = jnp.exp(self.P_MEAN + self.P_STD * jax.random.normal(key_sigma, (x0.shape[0],)))
-        noise = jax.random.normal(key_noise, x0.shape, x0.dtype)
-        return self.losses_at(model_fn, x0, sigma, noise, mask)
+        return sigma, jax.random.normal(key_noise, x0.shape, x0.dtype)
+
+    def training_losses(self, model_fn, x0, key, mask=None):
+        """losses_at with sigma and noise drawn from key."""
+        return self.losses_at(model_fn, x0, *self.draw(key, x0), mask)
 
     def sample(self, model_fn, noise, key, steps, method="heun", return_trajectory=False):
         """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from SIGMA_MAX *
@@ -1143,8 +1204,8 @@ def scatter_patches(model, tokens, keep):
 
 @dataclasses.dataclass(frozen=True)
 class DeferredMasking:
-    """The per-sample losses of a training step (make_train_step's `batch_losses`) that drops
-    `mask_ratio` of each image's patch tokens after the model's first `mixer_depth` blocks."""
+    """A training step's masking (TrainingLoss's): `mask_ratio` of each image's patch tokens are
+    dropped after the model's first `mixer_depth` blocks."""
     mask_ratio: float
     mixer_depth: int
 
@@ -1152,37 +1213,159 @@ class DeferredMasking:
         """How many of the T tokens the backbone sees."""
         return max(1, round(T * (1 - self.mask_ratio)))
 
-    def __call__(self, objective, model, x, y, key, drop_key):
-        """batch_losses over the patches kept: a random share of each image's, drawn from key."""
-        key_keep, key = jax.random.split(key)
-        B, T, p = x.shape[0], model.cfg.grid ** 2, model.cfg.patch_size
-        order = jnp.argsort(jax.random.uniform(key_keep, (B, T)), axis=1)  # random, per image
+    def draw(self, key, model, B):
+        """(the kept patches (B, T_keep), a random share of each image's; the loss's mask, 1 at
+        their pixels (B, H, W, 1)), from key."""
+        T, p = model.cfg.grid ** 2, model.cfg.patch_size
+        order = jnp.argsort(jax.random.uniform(key, (B, T)), axis=1)      # random, per image
         keep = order[:, :self.kept(T)]                                      # (B, T_keep)
-        mask = scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)  # (B, H, W, 1)
-        model_fn = lambda xt, t: self.forward(model, xt, t, y, drop_key, keep)  # noqa: E731
-        return objective.training_losses(model_fn, x, key, mask)
+        return keep, scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)
 
-    def forward(self, model, x, t, y, drop_key, keep):
-        """The DiTPlus model's forward pass (x (B, H, W, C), t, y, drop_key) trained on the patches
-        that keep (B, T_keep) names: its prediction (B, H, W, C_out), zero at the others."""
-        def masked(model, x, t, y, drop_key):
-            x, c = model.embed(x, t, y, drop_key)                           # (B, T, D), (B, D)
-            # 1. Mix: the mixer's blocks see every patch.
-            for block in model.blocks[:self.mixer_depth]:
-                x = block(x, c)                                             # (B, T, D)
-            # 2. Drop: each image keeps its own random share of the tokens.
-            x = jnp.take_along_axis(x, keep[..., None], axis=1)             # (B, T_keep, D)
-            # 3. Train on what is kept: the backbone's blocks, RoPE turning each token by its own
-            # patch's position, and the final layer predict the kept patches.
-            context = kept_patches.set(keep)
-            try:
-                for block in model.blocks[self.mixer_depth:]:
-                    x = block(x, c)                                         # (B, T_keep, D)
-            finally:
-                kept_patches.reset(context)
-            return scatter_patches(model, model.final_layer(x, c), keep)    # (B, H, W, C_out)
-        return model(x, t, y, drop_key, forward=masked)
+#################################################################################
+#            12. Auxiliary losses: the model's own representations              #
+#################################################################################
+# Terms that train an intermediate block's tokens beside the objective's loss, none with weights
+# from outside. Each is a frozen dataclass: `name` (its key in the metrics), `weight`, `taps` (the
+# blocks whose tokens it reads, forward's) and a call on a Seen, which returns a scalar.
+# TrainingLoss adds weight * term to the loss, and the metrics log each weighted term under "aux"
+# by its name; a new term is one such class and an entry in AUX_OPTIONS (section 21's options).
+# Defaults: the papers', their blocks scaled to DiT-S's 12 (README, "Representations").
 
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What a training step's terms read: the objective and the models (the student being trained,
+    the EMA `teacher` as a model, read-only); the batch x (B, H, W, C), y (B,) and the label
+    dropout's drop_key; the objective's times t (B,), their noise levels in [0, 1] and the noise;
+    a key of the terms' own; the loss's mask and deferred masking's kept patches `keep`
+    (B, T_keep) past block `mix`, or None; and forward's intermediates `hidden`."""
+    objective: object
+    model: nnx.Module
+    teacher: nnx.Module
+    x: jax.Array
+    y: jax.Array
+    drop_key: jax.Array | None
+    t: jax.Array
+    level: jax.Array
+    noise: jax.Array
+    key: jax.Array
+    mask: jax.Array | None
+    keep: jax.Array | None
+    mix: int
+    hidden: dict
+
+    def tokens(self, k):
+        """The tokens after block k (B, T', D) and the patches they stand for (B, T') or None."""
+        return self.hidden[f"block{k}"], (self.keep if self.keep is not None and k > self.mix
+                                          else None)
+
+@dataclasses.dataclass(frozen=True)
+class Dispersive:
+    """Dispersive loss (Wang & He 2025, "Diffuse and Disperse"), InfoNCE without positives: the
+    log of the mean over all pairs (i, j) of the batch of exp(-||z_i - z_j||^2 / (n temperature)),
+    z a sample's tokens after `block`, flattened to n numbers. It spreads the samples apart: 0 when
+    they are identical, lower the further apart they are."""
+    block: int
+    weight: float = 0.5
+    temperature: float = 1.0
+    name = "dispersive"
+
+    @property
+    def taps(self):
+        return {self.block}
+
+    def __call__(self, seen):
+        z = seen.tokens(self.block)[0]
+        z = z.reshape(z.shape[0], -1).astype(jnp.float32)                  # (B, n)
+        sq = jnp.sum(z * z, axis=1)
+        d = jnp.maximum(sq[:, None] + sq[None] - 2 * z @ z.T, 0) / z.shape[1]  # (B, B)
+        return jax.nn.logsumexp(-d / self.temperature) - 2 * jnp.log(z.shape[0])
+
+class ProjectionHead(nnx.Module):
+    """SRA's head on the student block's tokens: Linear D -> 2D, SiLU, Linear 2D -> D."""
+
+    def __init__(self, dim, *, dtype, rngs):
+        self.fc1 = nnx.Linear(dim, 2 * dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
+        self.fc2 = nnx.Linear(2 * dim, dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):  # (B, T, D) -> (B, T, D)
+        return self.fc2(nnx.silu(self.fc1(x)))
+
+@dataclasses.dataclass(frozen=True)
+class SRA:
+    """Self-representation alignment (Jiang et al. 2025): the `student` block's tokens, through
+    the model's sra_head, are aligned to the `teacher` block's tokens of the EMA weights at a lower
+    noise level, by up to `offset` of the level (uniform per sample; same noise, same labels): one
+    minus their cosine similarity, per token. The EMA is read, never trained."""
+    student: int
+    teacher: int
+    offset: float = 0.2
+    weight: float = 0.5
+    name = "sra"
+
+    @property
+    def taps(self):
+        return {self.student}
+
+    def __call__(self, seen):
+        objective, (z, keep) = seen.objective, seen.tokens(self.student)
+        lower = jnp.clip(seen.level - self.offset * jax.random.uniform(seen.key, seen.level.shape),
+                         0.0, 1.0)                                         # (B,)
+        teacher = {}
+
+        def teacher_fn(xt, t):  # the objective noises x as for training, at the teacher's times
+            out, teacher["hidden"] = seen.teacher.forward(xt, t, seen.y, seen.drop_key,
+                                                          taps={self.teacher})
+            return out
+        objective.losses_at(teacher_fn, seen.x, objective.time_at(lower), seen.noise)
+        target = jax.lax.stop_gradient(teacher["hidden"][f"block{self.teacher}"])  # (B, T, D)
+        if keep is not None:  # the student saw the kept patches only
+            target = jnp.take_along_axis(target, keep[..., None], axis=1)
+        a = seen.model.sra_head(z).astype(jnp.float32)
+        a, b = (v / jnp.linalg.norm(v, axis=-1, keepdims=True).clip(1e-6)
+                for v in (a, target.astype(jnp.float32)))
+        return jnp.mean(1 - jnp.sum(a * b, axis=-1))
+
+@dataclasses.dataclass(frozen=True)
+class Internal:
+    """Internal guidance's training term (Zhou et al. 2025, "Guiding a Diffusion Transformer with
+    the Internal Dynamics of Itself"): the objective's loss of the internal head's prediction from
+    the tokens after cfg.internal_block, the model's. `sample` extrapolates from it to the final
+    prediction: internal + w * (final - internal)."""
+    weight: float = 0.5
+    name = "internal"
+    taps = frozenset()
+
+    def __call__(self, seen):
+        return seen.objective.losses_at(lambda xt, t: seen.hidden["internal"], seen.x, seen.t,
+                                        seen.noise, seen.mask)["loss"].mean()
+
+@dataclasses.dataclass(frozen=True)
+class TrainingLoss:
+    """make_train_step's batch_losses as the harness assembles it: the objective's per-sample
+    losses, over deferred masking's kept patches where `masking` is set, and the auxiliary `terms`,
+    each weight * term under its name in "aux"."""
+    masking: DeferredMasking | None = None
+    terms: tuple = ()
+
+    def __call__(self, objective, model, x, y, key, drop_key, ema):
+        keep, mask, mix = None, None, 0
+        if self.masking:
+            key_keep, key = jax.random.split(key)
+            keep, mask = self.masking.draw(key_keep, model, x.shape[0])
+            mix = self.masking.mixer_depth
+        t, noise = objective.draw(key, x)
+        taps, hidden = {k for term in self.terms for k in term.taps}, {}
+
+        def model_fn(xt, t):  # called once; its intermediates stay for the terms
+            out, hidden["of"] = model.forward(xt, t, y, drop_key, taps, keep, mix)
+            return out
+        losses = objective.losses_at(model_fn, x, t, noise, mask)
+        if self.terms:
+            teacher = nnx.merge(nnx.graphdef(model), ema)
+            seen = Seen(objective, model, teacher, x, y, drop_key, t, losses["level"], noise,
+                        jax.random.fold_in(key, 1), mask, keep, mix, hidden["of"])
+            losses["aux"] = {term.name: term.weight * term(seen) for term in self.terms}
+        return losses
 #################################################################################
 #                                                                               #
 #                             PART III: THE HARNESS                             #
@@ -2129,6 +2312,10 @@ def restore_state(arrays, abstract_state, shardings, what):
                                                    lambda index, a=array: a[index]))
     return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
+def sampled_params(model):
+    """named_params without those that only training reads (SRA's projection head)."""
+    return {k: v for k, v in named_params(model).items() if not k.startswith("sra_head.")}
+
 def export_ema(ckpt_path, out_path):
     """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
     model configuration in the metadata: small enough to share."""
@@ -2137,9 +2324,10 @@ def export_ema(ckpt_path, out_path):
                          f"reads the .safetensors and .pt files directly")
     model, _, meta = load_model(ckpt_path)  # the checkpoint's EMA weights
     tensors = {torch_name(name): to_torch_layout(name, np.asarray(value))
-               for name, value in named_params(model).items()}
+               for name, value in sampled_params(model).items()}
     table = sincos_pos_embed_2d(model.cfg.hidden_size, model.cfg.grid)
     tensors["pos_embed"] = table[None].astype(np.float32)
+    meta = meta | {"model": meta["model"] | {"sra_head": False}}  # not among the weights
     header = {k: json.dumps(meta.get(k)) for k in ("model", "objective", "latent_scale", "step")}
     write_atomically(out_path, lambda f: write_safetensors(f, tensors, header))
     return out_path
@@ -2348,10 +2536,13 @@ def model_config(args, input_size, in_channels, num_classes):
     switches, each overridable by its own option."""
     switches = {k: on if getattr(args, k) is None else getattr(args, k)
                 for k, on in ARCHS[args.arch].items()}
+    depth = DIT_SIZES[args.size]["depth"]
+    internal = (args.internal_block or max(1, round(depth * 8 / 28))) * args.internal_guidance
     with errors_named(f"--patch {args.patch}"):
         return DiTConfig(input_size=input_size, patch_size=args.patch, in_channels=in_channels,
                          num_classes=num_classes, **DIT_SIZES[args.size], **switches,
-                         learn_sigma=OBJECTIVES[args.objective].learn_sigma)
+                         learn_sigma=OBJECTIVES[args.objective].learn_sigma,
+                         internal_block=internal, sra_head=args.sra)
 
 def compute_dtype(precision):
     return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision]
@@ -2403,17 +2594,19 @@ def update_loss_scale(state, new_state, finite, period=2000):
 LOSS_BINS = 4
 
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
-                   masking=None):
+                   masking=None, terms=()):
     """The core's training step (make_train_step) as training runs it, jitted for the mesh (the
     state keeps its shardings, the batch is split): with float16's loss scaling, the scale and the
     skipped step in the metrics, and the per-sample losses summed and counted per LOSS_BINS range
-    of noise level. With `masking` (a DeferredMasking), the losses are its."""
+    of noise level. Its loss is TrainingLoss(masking, terms)'s; the terms' in the metrics' "aux"."""
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
-                                gradient=scaled_grad, batch_losses=masking or batch_losses)
+                                gradient=scaled_grad, batch_losses=TrainingLoss(masking, terms))
 
     def train_step(state, x, y):
         new_state, metrics = core_step(state, x, y)
         losses = metrics.pop("losses")
+        if "aux" in losses:
+            metrics["aux"] = losses["aux"]
         bins = jnp.minimum((losses["level"] * LOSS_BINS).astype(jnp.int32), LOSS_BINS - 1)
         metrics |= {"loss_by_t": jax.ops.segment_sum(losses["loss"], bins, LOSS_BINS),
                     "count_by_t": jax.ops.segment_sum(jnp.ones_like(bins), bins, LOSS_BINS)}
@@ -2473,7 +2666,33 @@ def deferred_masking(args, cfg):
                          f"{cfg.depth} blocks to the backbone; use fewer")
     return DeferredMasking(args.mask_ratio, args.mixer_depth)
 
-def open_run(args, cfg, ds, objective, masking):
+def auxiliary_terms(args, cfg):
+    """The terms of section 12 that the options switch on, checked against the model's depth."""
+    def block(k, option):
+        if not 1 <= k <= cfg.depth:
+            raise InputError(f"{option} {k}: the model has blocks 1 to {cfg.depth}")
+        return k
+    terms = []
+    if args.dispersive:
+        k = block(args.dispersive_block or cfg.depth, "--dispersive-block")
+        terms.append(Dispersive(k, args.dispersive_weight, args.dispersive_temperature))
+    if args.sra:
+        student = max(1, round(cfg.depth / 3))
+        student, teacher = args.sra_blocks or (student, min(cfg.depth, max(
+            student + 1, round(2 * cfg.depth / 3))))
+        block(student, "--sra-blocks"), block(teacher, "--sra-blocks")
+        if student >= teacher:
+            raise InputError(f"--sra-blocks {student} {teacher}: the student block comes before "
+                             f"the teacher's")
+        terms.append(SRA(student, teacher, args.sra_offset, args.sra_weight))
+    if args.internal_guidance:
+        if not 1 <= cfg.internal_block < cfg.depth:
+            raise InputError(f"--internal-block {cfg.internal_block}: the head goes after one of "
+                             f"blocks 1 to {cfg.depth - 1}, before the final layer's")
+        terms.append(Internal(args.internal_weight))
+    return tuple(terms)
+
+def open_run(args, cfg, ds, objective, masking, terms):
     """(checkpoint to resume from or None, metadata for the run's checkpoints, whether each host
     keeps its own run directory), with the run directory ready: a new one records the run's defining
     settings, and begins with the history of the run whose checkpoint --resume names; an existing
@@ -2482,7 +2701,9 @@ def open_run(args, cfg, ds, objective, masking):
     settings = {**{k: getattr(args, k) for k in RUN_DEFINING},
                 **{k: getattr(cfg, k) for k in ARCHS["dit"]},  # as model_config resolved them
                 "dataset_size": len(ds), "num_classes": ds.num_classes,
-                "masking": dataclasses.asdict(masking) if masking else None}
+                "masking": dataclasses.asdict(masking) if masking else None,
+                "terms": {t.name: dataclasses.asdict(t) for t in terms} or None,
+                "internal_block": cfg.internal_block}
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
             "unmask_at": args.unmask_at, "latent_scale": ds.latent_scale,
             "objective": objective_record(objective)}
@@ -2714,8 +2935,9 @@ class MetricsLog:
             self.board.scalars(record)
 
     def flush(self, done):
-        """Write the record of the steps since the last, up to step `done`: the mean loss, and its
-        mean over each range of t ("loss_t"), where the model is weak. Stop the run at a non-finite
+        """Write the record of the steps since the last, up to step `done`: the objective's mean
+        loss, its mean over each range of t ("loss_t"), where the model is weak, and each auxiliary
+        term's ("aux"). Stop the run at a non-finite
         loss or gradient, but for the overflowed steps that float16's loss scaling skips."""
         pending = jax.device_get(self.pending)  # of steps done - len + 1 ... done
         for i, m in enumerate(pending):
@@ -2733,6 +2955,9 @@ class MetricsLog:
                              for i in range(LOSS_BINS)},
                   "lr": float(self.schedule(done - 1)), "images_per_s": self.batch_size / seconds,
                   "s_per_step": seconds}
+        if "aux" in pending[-1]:  # each auxiliary term, weighted, by its name
+            record["aux"] = {k: float(np.mean([m["aux"][k] for m in pending]))
+                             for k in pending[-1]["aux"]}
         if "loss_scale" in pending[-1]:
             record |= {"loss_scale": float(pending[-1]["loss_scale"]),
                        "skipped_steps": int(sum(m["skipped"] for m in pending))}
@@ -2758,6 +2983,11 @@ class Run:
     stopped: str | None  # "interrupted" or "reached --time-limit" before the last step; None
     state: dict = dataclasses.field(repr=False)
 
+def params_line(model):
+    """"N parameters", and how many of them sampling reads where training reads more."""
+    n, sampled = count_params(model), sum(v.size for v in sampled_params(model).values())
+    return f"{n:,} parameters" + (f" ({sampled:,} at sampling)" if sampled != n else "")
+
 def train(args):
     """Train a DiT on args.dataset, from --resume's checkpoint or else run_dir's newest, if any."""
     # The devices, the data, and the model, objective and optimizer that fit it.
@@ -2772,7 +3002,7 @@ def train(args):
     same_data_on_every_host(ds)
     H, W, C = ds.input_shape
     cfg = model_config(args, H, C, ds.num_classes)
-    masking = deferred_masking(args, cfg)
+    masking, terms = deferred_masking(args, cfg), auxiliary_terms(args, cfg)
     objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,
                                loc=args.ln_loc, scale=args.ln_scale, sigma_data=ds.sigma_data)
     tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
@@ -2780,20 +3010,20 @@ def train(args):
 
     # The run directory, and the state: restored from a checkpoint, or new.
     stop = Stop(args.time_limit)  # the time limit counts from here
-    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective, masking)
+    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective, masking, terms)
     graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat, checkpoint)
     start = int(to_host(state["step"]))
     trace = StepTrace(args.profile, start, args.steps)
     print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
-          f"{ds.num_classes} classes): {count_params(nnx.merge(graphdef, state['params'])):,} "
-          f"parameters, {jax.device_count()} devices, {jax.process_count()} processes, "
+          f"{ds.num_classes} classes): {params_line(nnx.merge(graphdef, state['params']))}, "
+          f"{jax.device_count()} devices, {jax.process_count()} processes, "
           f"{args.precision}")
     log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
     # Deferred masking's step before --unmask-at, the step on every patch after it (and throughout
     # without masking), each compiled at its first step.
     masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
-                                    args.seed, mesh, shardings, m) for m in (masking, None))
+                                    args.seed, mesh, shardings, m, terms) for m in (masking, None))
     unmask_at = args.steps if args.unmask_at is None else args.unmask_at
     evaluator = Evaluator(args, cfg, graphdef, objective, mesh, ds, held_out)
 
@@ -2854,12 +3084,15 @@ def model_of_metadata(path, meta, arrays, dtype):
     the file has `arrays` (each block costs memory to build), is refused naming the file."""
     def refuse(problem):
         return InputError(f"{path}: {problem}; the file is damaged or was not written by dit.py")
-    kinds = {int: int, float: (int, float), bool: bool}
-    fields = {f.name: kinds[f.type] for f in dataclasses.fields(DiTConfig)}
+    # each field as JSON gives it back: a float may be written as an int, a tuple as a list
+    kinds = {float: (int, float), tuple: list}
+    fields = {f.name: kinds.get(type(f.default), type(f.default))
+              for f in dataclasses.fields(DiTConfig)}
     config, settings, scale = (meta.get(k) for k in ("model", "objective", "latent_scale"))
     if not (isinstance(config, dict)
             and all(k in fields and isinstance(v, fields[k]) for k, v in config.items())):
         raise refuse("its metadata holds no DiT configuration")
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
     try:
         cfg = DiTConfig(**config)  # which refuses a patch size that does not divide the input
     except (InputError, ArithmeticError) as e:  # ArithmeticError: a patch size of 0
@@ -2868,7 +3101,8 @@ def model_of_metadata(path, meta, arrays, dtype):
     if (min(sizes) < 1 or not 0 <= cfg.depth <= arrays or cfg.num_classes < 0
             or not 0 < cfg.mlp_ratio < math.inf or not 0 <= cfg.class_dropout_prob < 1
             or cfg.hidden_size % 4 or cfg.hidden_size % cfg.num_heads
-            or cfg.hidden_size // cfg.num_heads % 4):
+            or cfg.hidden_size // cfg.num_heads % 4
+            or not 0 <= cfg.internal_block < max(cfg.depth, 1)):
         raise refuse(f"no DiT has the configuration it records, {cfg}")
     try:
         objective = make_objective(**settings)
@@ -3248,8 +3482,9 @@ def timed(step, n, profile_dir, name):
 
 def bench(args):
     """Speed on synthetic data with random weights (speed is independent of them): the training step
-    (ms/step, images/s, MFU, peak memory), with --mask-ratio the masked step too, the forward pass
-    of every sampling step, and with --fid N, FID-N end to end (fid.bench_fid). Returns figures."""
+    (ms/step, images/s, MFU, peak memory), with --mask-ratio the masked step too, with each
+    auxiliary term switched on the step with it, the forward pass of every sampling step, and with
+    --fid N, FID-N end to end (fid.bench_fid). Returns figures."""
     mesh = make_mesh()
     check_batch_size(args.batch_size)
     latent_channels = VAEConfig().latent_channels
@@ -3261,6 +3496,7 @@ def bench(args):
     graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
                                             compute_dtype(args.precision), args.remat)
     objective, masking = make_objective(args.objective), deferred_masking(args, cfg)
+    terms = auxiliary_terms(args, cfg)
     step_fn, masked_fn = (jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings,
                                          m) for m in (None, masking))
     batch = NamedSharding(mesh, P("data"))
@@ -3309,6 +3545,13 @@ def bench(args):
               f"{n / masked_s:.1f} images/s, {seconds / masked_s:.2f}x | the backbone on {tokens} "
               f"of {cfg.grid ** 2} tokens | peak memory {gib(masked_mem)}")
         figures |= {"masked_ms_per_step": 1000 * masked_s, "masked_images_per_s": n / masked_s}
+    for term in terms:  # each alone, beside the step without
+        term_fn = jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings,
+                                 terms=(term,))
+        compile_s, term_s = timed(stepping(term_fn), args.steps, args.profile, term.name)
+        print(f"  {term.name}: compile {compile_s:.1f} s | {1000 * term_s:.1f} ms/step | "
+              f"{n / term_s:.1f} images/s, {term_s / seconds:.2f}x the step without it")
+        figures[f"{term.name}_ms_per_step"] = 1000 * term_s
     print(f"  hours:   {hours(seconds)}" + (f" | masked: {hours(masked_s)}" if masking else ""))
     forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
                       in_shardings=(None, batch, batch, batch))
@@ -3387,6 +3630,11 @@ def setting_option(settings, key):
     if key == "masking":
         return (f"--mask-ratio {as_number(value.get('mask_ratio')):g} --mixer-depth "
                 f"{value.get('mixer_depth')}" if isinstance(value, dict) else "--mask-ratio 0")
+    if key == "terms":  # each auxiliary term by its switch
+        return " ".join("--internal-guidance" if term == "internal" else f"--{term}"
+                        for term in (value if isinstance(value, dict) else {}))
+    if key == "internal_block":
+        return f"{name} {value}" if value else ""
     if key in ARCHS["dit"] and bool(value) == ARCHS.get(settings.get("arch"), {}).get(key):
         return ""
     if key in ("dataset_size", "num_classes") and isinstance(value, int):
@@ -3447,6 +3695,11 @@ def report_panels(runs, axis):
                 ("training speed (faint: as logged)", xlabel, "images/s", speed, [])]
     if validated:
         training.insert(1, ("validation loss, mean of the noise levels", xlabel, "loss", val, []))
+    # each auxiliary term that a run logged, weighted as it adds to the loss
+    for name in dict.fromkeys(k for run in runs for r in run.train for k in r.get("aux", {})):
+        training.append((f"auxiliary term: {name} (weighted)", xlabel, "term",
+                         [(i, run.x(run.train, axis), run.values(run.train, "aux", name), {})
+                          for i, run in enumerate(runs)], []))
     levels = [(f"validation loss at t = {t:g}", xlabel, "loss",
                [(i, run.x(run.val, axis), run.values(run.val, "val_loss_t", f"{t:g}"),
                  dict(marker="o")) for i, run in enumerate(runs)], [])
@@ -3466,9 +3719,11 @@ def report_panels(runs, axis):
         newest = [r for r in run.sweep if r["step"] == run.sweep[-1]["step"]]
         # A line per setting but the axis's: CFG's scale, or autoguidance's weight from 1 (the
         # model alone at that CFG scale) on; the newest record of each point.
-        by_scale, by_weight = {}, {}  # (interval, guided channels, how scored[, ...]) -> {x: record}
+        # (interval, guided channels, how scored, internal guidance[, ...]) -> {x: record}
+        by_scale, by_weight = {}, {}
         for r in sorted(newest, key=lambda r: bool(r.get("guide"))):  # the unguided first
-            setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r))
+            setting = (str(r.get("guidance_interval")), r.get("guidance_channels"), scored(r),
+                       as_number(r.get("internal_scale", 1)))
             scale, weight = as_number(r["cfg_scale"]), as_number(r.get("guide_scale", 1))
             if r.get("guide") and weight != 1:
                 line = by_weight.setdefault((*setting, scale, r["guide"]), {})
@@ -3478,11 +3733,13 @@ def report_panels(runs, axis):
             else:
                 by_scale.setdefault(setting, {})[scale] = r
         for name, lines in zip(swept, (by_scale, by_weight)):
-            for j, ((interval, channels, kind, *guided), points) in enumerate(lines.items()):
+            for j, ((interval, channels, kind, internal, *guided), points) in enumerate(
+                    lines.items()):
                 style, xs = dict(color=f"C{i % 10}", marker="os^vD<>"[j % 7]), sorted(points)
                 swept[name][0].append((i, np.array(xs), [points[x] for x in xs], style))
                 where = "" if interval == "None" else f", CFG in {interval}"
                 which = "" if channels in (None, "all") else f", {channels} channels guided"
+                which += "" if internal == 1 else f", internal guidance {internal:g}"
                 by = (f", CFG {guided[0]:g}, guide {os.path.basename(guided[1])}" if guided
                       else "")
                 swept[name][1].append(
@@ -3651,8 +3908,9 @@ def errors_named(option):
 
 def sample_command(args):
     """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
-    scores, once per guidance setting (every --cfg-scale with every --guidance-interval and every
-    --guide at every --guide-scale), each from the same noise, so that their rows compare. The scores of a run's weights join its
+    scores, once per guidance setting (every --cfg-scale with every --guidance-interval, every
+    --guide at every --guide-scale and every --internal-scale), each from the same noise, so that
+    their rows compare. The scores of a run's weights join its
     metrics.jsonl, each with its guidance setting, for `report`."""
     mesh = make_mesh()
     scales = args.cfg_scale or [FID_CFG_SCALE if args.fid else GRID_CFG_SCALE]
@@ -3668,14 +3926,15 @@ def sample_command(args):
         twice = next(n for n in names if names.count(n) > 1)
         raise InputError(f"--guide: two guides are named {twice}, and their samples would share "
                          f"a file; copy one under another name")
-    settings = list(itertools.product(scales, args.guidance_interval or [None], guides))
+    settings = list(itertools.product(scales, args.guidance_interval or [None], guides,
+                                      args.internal_scale or [1.0]))
     if args.fid:
         check_batch_size(args.batch_size)
         if args.gif:
             raise InputError("--gif animates a grid; it does not go with --fid")
     elif len(settings) > 1:
-        raise InputError("several --cfg-scale values, --guidance-interval ranges or guides are "
-                         "compared by their FID: give --fid N")
+        raise InputError("several --cfg-scale values, --guidance-interval ranges, guides or "
+                         "--internal-scale weights are compared by their FID: give --fid N")
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     with on_every_host():  # each host reads its own copy of each
         fid = fid_module() if args.fid and args.ref else None
@@ -3700,6 +3959,9 @@ def sample_command(args):
     for scale in scales:
         with errors_named(f"--cfg-scale {scale:g}"):
             check_guidance(cfg, scale)
+    for w in args.internal_scale or []:
+        with errors_named(f"--internal-scale {w:g}"):
+            check_guidance(cfg, 1.0, w)
     if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
@@ -3710,12 +3972,12 @@ def sample_command(args):
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
 
-    def sampler_of(scale, interval, guide):
+    def sampler_of(scale, interval, guide, internal):
         path, w = guide
-        return make_sampler(cfg_scale=scale, interval=interval,
+        return make_sampler(cfg_scale=scale, interval=interval, internal_scale=internal,
                             guide=guide_models[path][0] if path else None, guide_scale=w)
 
-    def described(scale, interval, guide):
+    def described(scale, interval, guide, internal):
         """The setting as a row names it, and as a file name ends."""
         path, w = guide
         text = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval
@@ -3725,6 +3987,8 @@ def sample_command(args):
             name = os.path.splitext(os.path.basename(path))[0]
             text += f", autoguidance {w:g} by {path}"
             suffix += f"_ag{w:g}-{name}"
+        if internal != 1:
+            text, suffix = text + f", internal guidance {internal:g}", suffix + f"_ig{internal:g}"
         return text, suffix
 
     if not args.fid:
@@ -3752,8 +4016,8 @@ def sample_command(args):
     run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
     root, ext = os.path.splitext(args.out or "samples.npz")
     scores = {}
-    for scale, interval, (guide, w) in settings:
-        setting, suffix = described(scale, interval, (guide, w))
+    for scale, interval, (guide, w), internal in settings:
+        setting, suffix = described(scale, interval, (guide, w), internal)
         out = root + (suffix if len(settings) > 1 else "") + ext
 
         def save(images, labels):
@@ -3763,9 +4027,9 @@ def sample_command(args):
             if reference:
                 say(f"scoring them against {args.ref}")
         say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
-        *_, result = sample_and_score(sampler_of(scale, interval, (guide, w)), params, args.fid,
-                                      args.batch_size, shape, cfg.num_classes, args.seed,
-                                      inception, reference, save)
+        *_, result = sample_and_score(sampler_of(scale, interval, (guide, w), internal), params,
+                                      args.fid, args.batch_size, shape, cfg.num_classes,
+                                      args.seed, inception, reference, save)
         if result:
             print(f"{setting}: {fid.describe(result)}")
             scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
@@ -3773,7 +4037,8 @@ def sample_command(args):
                 record = {"step": meta["step"], "cfg_scale": scale, "guidance_interval": interval,
                           "guidance_channels": args.guidance_channels, "guide": guide,
                           "guide_step": guide_models[guide][1].get("step") if guide else None,
-                          "guide_scale": w, "sampler": method, "sample_steps": steps,
+                          "guide_scale": w, "internal_scale": internal, "sampler": method,
+                          "sample_steps": steps,
                           **fid_record(result)}
                 with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -3821,6 +4086,24 @@ def model_options(size=None, patch=None):
                    "1 - R of each image's patches (0: every patch); sampling sees every patch")
     p.add_argument("--mixer-depth", type=non_negative_int, default=2, metavar="N",
                    help="with --mask-ratio: the first N blocks see every patch (default: 2)")
+    # The auxiliary terms of section 12, each on its own switch; blocks count from 1.
+    p.add_argument("--dispersive", action="store_true", help="dispersive loss on a block's tokens")
+    p.add_argument("--dispersive-block", type=positive_int, metavar="K",
+                   help="its block (default: the last)")
+    p.add_argument("--dispersive-weight", type=positive_float, default=0.5, metavar="W")
+    p.add_argument("--dispersive-temperature", type=positive_float, default=1.0, metavar="TAU")
+    p.add_argument("--sra", action="store_true", help="self-representation alignment: a block "
+                   "aligned through a projection head to a later block of the EMA weights")
+    p.add_argument("--sra-blocks", type=positive_int, nargs=2, metavar=("STUDENT", "TEACHER"),
+                   help="its blocks (default: a third and two thirds of the depth, 4 8 on DiT-S)")
+    p.add_argument("--sra-offset", type=positive_float, default=0.2, metavar="DT",
+                   help="the teacher's noise level is lower by up to this (uniform per sample)")
+    p.add_argument("--sra-weight", type=positive_float, default=0.5, metavar="W")
+    p.add_argument("--internal-guidance", action="store_true", help="an output head after an "
+                   "intermediate block, trained with the model, for `sample --internal-scale`")
+    p.add_argument("--internal-block", type=positive_int, metavar="K",
+                   help="its block (default: 8 of 28 scaled to the depth, 3 on DiT-S)")
+    p.add_argument("--internal-weight", type=positive_float, default=0.5, metavar="W")
     return p
 
 def build_parser():
@@ -3939,6 +4222,10 @@ def build_parser():
     s.add_argument("--guide-scale", type=float_list, help="autoguidance's weight w: guide + w * "
                    "(model - guide) (1: the model alone); with --fid, comma-separated weights are "
                    "each sampled and scored")
+    s.add_argument("--internal-scale", type=float_list, help="internal guidance's weight w: "
+                   "internal + w * (final - internal), of a model trained with --internal-guidance "
+                   "(1: the final layer alone); with --fid, comma-separated weights are each "
+                   "sampled and scored")
     s.add_argument("--n", type=positive_int, default=16, help="images in the grid")
     s.add_argument("--labels", type=int, nargs="*",
                    help="class labels of the grid (default: 0, 1, 2, ...)")
