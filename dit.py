@@ -26,20 +26,21 @@ section in a box of three lines, a sub-section in one line of dashes.
       9. DiT+                             QK-norm, RMSNorm, SwiGLU, RoPE: the paper's block extended
      10. EDM                              a third objective; OBJECTIVES, the one list of them
      11. Deferred masking                 MicroDiT's cheaper step: mix every patch, train on a share
+     12. Auxiliary losses                 dispersive loss, SRA, internal guidance: blocks opened
     Part III: the harness
-     12. Weight files                     PyTorch state dicts (DiT, VAE), safetensors
-     13. The autoencoder                  the Stable Diffusion VAE that maps images to latents
-     14. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
-     15. Checkpoints                      atomic saves, exact resume on any number of devices
-     16. The training loop                the mesh, the run directory, train()
-     17. Sampling and evaluation          grids, one path from a model to scored samples
-     18. Benchmark                        images/s, MFU and memory
-     19. Reports                          runs side by side: curves.png and report.md
-     20. Command line                     python dit.py [train|sample|...|report], one-line errors
+     13. Weight files                     PyTorch state dicts (DiT, VAE), safetensors
+     14. The autoencoder                  the Stable Diffusion VAE that maps images to latents
+     15. Data                             MNIST, CIFAR-10, image folders, ImageNet-100, the loader
+     16. Checkpoints                      atomic saves, exact resume on any number of devices
+     17. The training loop                the mesh, the run directory, train()
+     18. Sampling and evaluation          grids, one path from a model to scored samples
+     19. Benchmark                        images/s, MFU and memory
+     20. Reports                          runs side by side: curves.png and report.md
+     21. Command line                     python dit.py [train|sample|...|report], one-line errors
     Part IV: appendix, files from outside
-     21. Pickles and PyTorch files        a restricted unpickler; torch files without torch
-     22. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
-     23. JSON and downloads               checked JSON, verified downloads
+     22. Pickles and PyTorch files        a restricted unpickler; torch files without torch
+     23. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
+     24. JSON and downloads               checked JSON, verified downloads
 
 Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
 call main(["--size", "S", ...]) with the same arguments.
@@ -407,14 +408,7 @@ class DiT(nnx.Module):
             x = block(x, c, positions)                               # (B, T or T_keep, D)
             if k in taps:
                 hidden[f"block{k}"] = x
-        return self.predict(self.final_layer, x, c, keep), hidden    # (B, H, W, C_out)
-
-    def predict(self, head, x, c, keep=None):
-        """A head's prediction (B, H, W, C_out) from tokens x (B, T, D), or (B, T_keep, D) where
-        keep names their patches (zero at the others)."""
-        if keep is None:
-            return self.unpatchify(head(x, c))
-        return scatter_patches(self, head(x, c), keep)
+        return self.unpatchify(self.final_layer(x, c), keep), hidden  # (B, H, W, C_out)
 
     def embed(self, x, t, y, drop_key=None):
         """Fig. 3's inputs to the blocks: tokens plus positions (B, T, D), c (B, D) from t and y."""
@@ -425,8 +419,13 @@ class DiT(nnx.Module):
             c = c + self.y_embedder(y, drop_key)
         return x, c
 
-    def unpatchify(self, x):  # (B, T, p*p*C) -> (B, H, W, C), float32
+    def unpatchify(self, x, keep=None):  # (B, T, p*p*C) -> (B, H, W, C), float32
+        """Patches back in the image layout; with keep (B, T_keep), x holds those patches alone
+        (B, T_keep, p*p*C), and the others are zero."""
         g, p = self.cfg.grid, self.cfg.patch_size
+        if keep is not None:
+            full = jnp.zeros((x.shape[0], g * g, x.shape[-1]), x.dtype)
+            x = full.at[jnp.arange(x.shape[0])[:, None], keep].set(x)
         x = x.reshape(x.shape[0], g, g, p, p, -1).transpose(0, 1, 3, 2, 4, 5)
         return x.reshape(x.shape[0], g * p, g * p, -1).astype(jnp.float32)
 
@@ -1091,8 +1090,8 @@ class DiTPlus(DiT):
         with matmul_precision(self.dtype):
             out, hidden = super().forward(x, t, y, drop_key, {*taps, b} if b else taps, keep, mix)
             if b:
-                hidden["internal"] = self.predict(self.internal_head, hidden[f"block{b}"],
-                                                  hidden["c"], keep if b > mix else None)
+                hidden["internal"] = self.unpatchify(
+                    self.internal_head(hidden[f"block{b}"], hidden["c"]), keep if b > mix else None)
         return out, hidden
 
 #################################################################################
@@ -1195,13 +1194,6 @@ def objective_record(objective):
 # comparison with them is not measured here). Taking the mixer from the model's depth keeps the
 # parameter count, and a model trained so is a plain DiTPlus: it samples, exports and loads as one.
 
-def scatter_patches(model, tokens, keep):
-    """Tokens of the kept patches (B, T_keep, p*p*C), which keep (B, T_keep) names, back in the
-    image layout (B, H, W, C), zero at the dropped patches."""
-    B, T = keep.shape[0], model.cfg.grid ** 2
-    full = jnp.zeros((B, T, tokens.shape[-1]), tokens.dtype)
-    return model.unpatchify(full.at[jnp.arange(B)[:, None], keep].set(tokens))
-
 @dataclasses.dataclass(frozen=True)
 class DeferredMasking:
     """A training step's masking (TrainingLoss's): `mask_ratio` of each image's patch tokens are
@@ -1219,16 +1211,17 @@ class DeferredMasking:
         T, p = model.cfg.grid ** 2, model.cfg.patch_size
         order = jnp.argsort(jax.random.uniform(key, (B, T)), axis=1)      # random, per image
         keep = order[:, :self.kept(T)]                                      # (B, T_keep)
-        return keep, scatter_patches(model, jnp.ones((B, keep.shape[1], p * p)), keep)
+        return keep, model.unpatchify(jnp.ones((B, keep.shape[1], p * p)), keep)
 
 #################################################################################
-#            12. Auxiliary losses: the model's own representations              #
+#             12. Auxiliary losses: the model's own representations             #
 #################################################################################
 # Terms that train an intermediate block's tokens beside the objective's loss, none with weights
 # from outside. Each is a frozen dataclass: `name` (its key in the metrics), `weight`, `taps` (the
 # blocks whose tokens it reads, forward's) and a call on a Seen, which returns a scalar.
 # TrainingLoss adds weight * term to the loss, and the metrics log each weighted term under "aux"
-# by its name; a new term is one such class and an entry in AUX_OPTIONS (section 21's options).
+# by its name. A new term is one such class, and its switch in model_options and a line in
+# auxiliary_terms (sections 21 and 17).
 # Defaults: the papers', their blocks scaled to DiT-S's 12 (README, "Representations").
 
 @dataclasses.dataclass(frozen=True)
@@ -1375,7 +1368,7 @@ class TrainingLoss:
 # and hosts, evaluation, reports, the command line.
 
 #################################################################################
-#                                12. Weight files                               #
+#                                13. Weight files                               #
 #################################################################################
 # Official PyTorch checkpoints, read without torch, and safetensors files, read and written without
 # the safetensors package. Both name a parameter as PyTorch does.
@@ -1466,7 +1459,7 @@ def infer_dit_config(state_dict):
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or train.py's, whose EMA weights are taken), read through load_torch (section 21); its
+    or train.py's, whose EMA weights are taken), read through load_torch (section 22); its
     configuration from their shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
@@ -1492,7 +1485,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
     return model
 
 #################################################################################
-#                              13. The autoencoder                              #
+#                              14. The autoencoder                              #
 #################################################################################
 # DiT never sees pixels at 256x256: it models the 32x32x4 latents of the Stable Diffusion VAE
 # (AutoencoderKL "kl-f8", released as stabilityai/sd-vae-ft-ema and sd-vae-ft-mse), here layer for
@@ -1512,7 +1505,7 @@ class VAEConfig:
 
     @classmethod
     def from_json(cls, path):
-        """Read a diffusers config.json through read_json (section 23); keys that do not change
+        """Read a diffusers config.json through read_json (section 24); keys that do not change
         the network (sample_size, ...) are ignored, options not built here refused."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda c: isinstance(c, dict), "a diffusers config (an object)", fix)
@@ -1758,7 +1751,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     return load_vae_weights(model, tensors, source=weights)
 
 #################################################################################
-#                                    14. Data                                   #
+#                                    15. Data                                   #
 #################################################################################
 
 @dataclasses.dataclass
@@ -1839,7 +1832,7 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432"}
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files, plain or gzipped, through read_idx (section 22); the 10,000
+    """The official MNIST IDX files, plain or gzipped, through read_idx (section 23); the 10,000
     test digits stand in when only they are there."""
     for split in ("train", "t10k"):
         images, labels = (next((p for p in (stem, stem + ".gz") if os.path.exists(p)), None)
@@ -1872,7 +1865,7 @@ _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 def _load_cifar10(data_dir: str) -> Dataset:
     """The 50,000 training images of CIFAR-10's python release (five batches, batches.meta), from an
     extracted cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if
-    missing); each unpickled by _unpickle_cifar, the archive read by _CappedGzip (section 22)."""
+    missing); each unpickled by _unpickle_cifar, the archive read by _CappedGzip (section 23)."""
     for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(where, "data_batch_1")):
             found = {}
@@ -2031,7 +2024,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
 # --- ImageNet-100 --------------------------------------------------------------
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
     """What prepare_imagenet100.py writes: VAE latents (latents.npy) or pixels (images.npy, with
-    --pixels R), memory-mapped: they need not fit in memory; JSON through read_json (section 23)."""
+    --pixels R), memory-mapped: they need not fit in memory; JSON through read_json (section 24)."""
     hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
             f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
             f"the folder it wrote")
@@ -2196,7 +2189,7 @@ class Loader:
         self.close()
 
 #################################################################################
-#                                15. Checkpoints                                #
+#                                16. Checkpoints                                #
 #################################################################################
 
 def to_host(x):
@@ -2278,7 +2271,7 @@ def list_checkpoints(run_dir):
                   if f.startswith("step_") and f.endswith(".npz"))
 
 def read_checkpoint(path, names=None):
-    """(metadata, arrays) of a checkpoint, through read_npz (section 22): only `names` if given."""
+    """(metadata, arrays) of a checkpoint, through read_npz (section 23): only `names` if given."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
         arrays = read_npz(path, None if names is None else ["__meta__", *names])
@@ -2333,7 +2326,7 @@ def export_ema(ckpt_path, out_path):
     return out_path
 
 #################################################################################
-#                             16. The training loop                             #
+#                             17. The training loop                             #
 #################################################################################
 
 # What `python dit.py --dataset NAME` trains by default. ImageNet-100: the paper's DiT-S/2 setup
@@ -3074,7 +3067,7 @@ def train(args):
                log.last.get("fid"), stopped, state)
 
 #################################################################################
-#                          17. Sampling and evaluation                          #
+#                          18. Sampling and evaluation                          #
 #################################################################################
 
 def model_of_metadata(path, meta, arrays, dtype):
@@ -3433,7 +3426,7 @@ class Evaluator:
         print(f"step {step}: {fid_module().describe(scores)}")
 
 #################################################################################
-#                                 18. Benchmark                                 #
+#                                 19. Benchmark                                 #
 #################################################################################
 
 # Dense bfloat16 (T4: float16) peak FLOP/s of one JAX device, for model FLOPs utilisation (MFU): a
@@ -3566,7 +3559,7 @@ def bench(args):
     return figures
 
 #################################################################################
-#                                  19. Reports                                  #
+#                                  20. Reports                                  #
 #################################################################################
 
 # `python dit.py report RUN [RUN ...] --out DIR`: a figure and a table of what runs logged, nothing
@@ -3862,7 +3855,7 @@ def report(run_dirs, out, axis="steps"):
     return Report(markdown, curves, fig)
 
 #################################################################################
-#                                20. Command line                               #
+#                                21. Command line                               #
 #################################################################################
 
 def run_cli(main, argv=None):
@@ -4317,7 +4310,7 @@ def main(argv=None):
 # - a file that fails a check raises InputError naming the file and what to do: one line (run_cli).
 
 #################################################################################
-#                  21. Pickles and PyTorch files, without torch                 #
+#                  22. Pickles and PyTorch files, without torch                 #
 #################################################################################
 
 class UnsafePickleError(InputError, pickle.UnpicklingError):
@@ -4598,7 +4591,7 @@ def load_torch(path, legacy=None):
                              f"{e}); download it again, or save it again with torch.save") from None
 
 #################################################################################
-#             22. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
+#             23. Arrays: .npz, safetensors, IDX, CIFAR-10's pickles            #
 #################################################################################
 
 # Deflate cannot expand data more than 1032-fold (one 258-byte match per 2 bits).
@@ -4815,7 +4808,7 @@ def _unpickle_cifar(f, where: str) -> dict:
     return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 #################################################################################
-#                             23. JSON and downloads                            #
+#                             24. JSON and downloads                            #
 #################################################################################
 
 def read_json(path, valid, expected, fix):

@@ -1141,8 +1141,11 @@ def test_training_loss_is_logged_by_noise_level():
     time = jnp.array([0.0, 0.1, 0.3, 0.6, 0.99, 0.74, 0.26, 0.2])
 
     class Known:  # per-sample losses 0..7 at the times above, whatever the model does
-        def training_losses(self, model_fn, x0, key):
-            return {"loss": jnp.arange(8.0) + 0 * model_fn(x0, time).mean(), "level": time}
+        def draw(self, key, x0):
+            return time, None
+
+        def losses_at(self, model_fn, x0, t, noise, mask=None):
+            return {"loss": jnp.arange(8.0) + 0 * model_fn(x0, t).mean(), "level": t}
 
     cfg = dit.DiTConfig(input_size=4, patch_size=2, in_channels=1, hidden_size=16, depth=1,
                         num_heads=2, num_classes=0, learn_sigma=False)
