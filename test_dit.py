@@ -3713,7 +3713,7 @@ README_RUNS = {
                                 "masking 0.5, then every patch": "masked-50-unmask",
                                 "**masking 0.75**": "masked-75",
                                 "masking 0.75, then every patch": "masked-75-unmask"},
-    "**Judged on CIFAR-10, at equal wall-clock**": {
+    "**Judged on CIFAR-10, at equal wall-clock.**": {
         "DiT+": "repr-dit+", "dispersive loss": "repr-dispersive", "SRA": "repr-sra",
         "internal guidance": "repr-internal"}}
 
