@@ -1482,6 +1482,7 @@ class TokenEnergy:
     def __call__(self, seen):
         return jnp.mean(seen.hidden["block1"].astype(jnp.float32) ** 2)
 
+@slow
 def test_a_new_term_trains_and_is_logged_and_reported_with_no_other_change(tmp_path, monkeypatch):
     """A term written here, beside two of dit.py's: the metrics and `report` show each term,
     weighted, by its name, with nothing else to change."""
