@@ -36,14 +36,14 @@ section in a box of three lines, a sub-section in one line of dashes.
      18. Sampling and evaluation          grids, one path from a model to scored samples
      19. Benchmark                        images/s, MFU and memory
      20. Reports                          runs side by side: curves.png and report.md
-     21. Command line                     python dit.py [train|sample|...|report], one-line errors
+     21. Configuration and command line   one dataclass per command, its parser; one-line errors
     Part IV: appendix, files from outside
      22. Pickles and PyTorch files        a restricted unpickler; torch files without torch
      23. Arrays                           .npz, safetensors, IDX, CIFAR-10's pickles
      24. JSON and downloads               checked JSON, verified downloads
 
 Run `python dit.py --help`. In a notebook, paste this file's text into a cell (or import it) and
-call main(["--size", "S", ...]) with the same arguments.
+call main(["--size", "S", ...]) with the same arguments, or train(TrainConfig(size="S", ...)).
 """
 
 import argparse
@@ -117,45 +117,8 @@ DIT_SIZES = {"S": dict(hidden_size=384, depth=12, num_heads=6),
              "XXS": dict(hidden_size=128, depth=6, num_heads=4)}  # the MNIST demo's
 
 class InputError(ValueError):
-    """What the user gave (a file, folder, path, option or the data in them) cannot be used.
-
-    The message names it and says what to do; the command lines (run_cli) print it alone on one
-    line, without the traceback that any other exception, a bug, keeps. A ValueError, so that code
-    catching bad values catches these too."""
-
-    def _render_traceback_(self):
-        """What IPython and Jupyter show of it in place of a traceback: the same one line."""
-        return [one_line(self)]
-
-def one_line(e):
-    """`error: <message>` of an InputError or an OSError (a missing file, a full disk)."""
-    message = str(e)
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
-    # A message can quote another library's error text, which may span lines.
-    return "error: " + " ".join(message.splitlines())
-
-# The oldest releases this file runs on: flax 0.12.0 brought nnx.List and needs jax 0.7.1; optax
-# 0.2.5 brought optax.tree. Checked at import, so that an older notebook image ends in one line.
-MINIMUM_VERSIONS = {"jax": "0.7.1", "flax": "0.12.0", "optax": "0.2.5"}
-
-def check_versions(installed):
-    """InputError naming the packages of `installed` ({name: version}) older than they must be."""
-    number = lambda v: tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", v).group().split("."))
-    old = [name for name, v in installed.items() if number(v) < number(MINIMUM_VERSIONS[name])]
-    if old:
-        found = ", ".join(f"{name} {installed[name]}" for name in old)
-        need = [f"{name}>={MINIMUM_VERSIONS[name]}" for name in old]
-        extras = " (for jax on a TPU or GPU: jax[tpu] or jax[cuda12])" if "jax" in old else ""
-        raise InputError(f"found {found}; this code needs {', '.join(need)}: pip install -U "
-                         f"{' '.join(repr(n) for n in need)}{extras}, then restart Python")
-
-try:
-    check_versions({name: sys.modules[name].__version__ for name in MINIMUM_VERSIONS})
-except InputError as e:
-    if hasattr(sys.modules["__main__"], "__file__"):  # a script, not a notebook or a prompt
-        raise SystemExit(one_line(e)) from None
-    raise
+    """What the user gave (a file, folder, path, option or the data in them) cannot be used: the
+    message names it and says what to do (section 21 shows it as one line)."""
 
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
@@ -1220,7 +1183,7 @@ class DeferredMasking:
 # from outside. Each is a frozen dataclass: `name` (its key in the metrics), `weight`, `taps` (the
 # blocks whose tokens it reads, forward's) and a call on a Seen, which returns a scalar.
 # TrainingLoss adds weight * term to the loss, and the metrics log each weighted term under "aux"
-# by its name. A new term is one such class, and its switch in model_options and a line in
+# by its name. A new term is one such class, and its switch in ModelOptions and a line in
 # auxiliary_terms (sections 21 and 17).
 # Defaults: the papers', their blocks scaled to DiT-S's 12 (README, "Representations").
 
@@ -2446,9 +2409,8 @@ def duration(text):
 KAGGLE_WORKING, COLAB_DRIVE = "/kaggle/working", "/content/drive"
 
 def session_notes(run_dir, time_limit, platform, environ):
-    """The lines that tell a run in a Kaggle or Colab notebook (by `environ`) on the JAX `platform`
-    what the session's end would take: a run directory that it deletes, and a --time-limit longer
-    than the session. None elsewhere."""
+    """The lines that tell a run in a Kaggle or Colab notebook (by `environ`) what its session's end
+    would take: a deleted run directory, a --time-limit too long. None elsewhere."""
     within = lambda root: os.path.abspath(run_dir).startswith(root + os.sep)  # noqa: E731
     if environ.get("KAGGLE_KERNEL_RUN_TYPE"):
         name, hours = "Kaggle", 9 if platform == "tpu" else 12
@@ -2470,20 +2432,14 @@ def session_notes(run_dir, time_limit, platform, environ):
                      f"less (README, Notebooks)")
     return notes
 
-# Settings that define a run: resuming with different ones would silently train something else.
-RUN_DEFINING = ("dataset", "size", "patch", "arch", *ARCHS["dit"], "objective",
-                "timestep_sampling", "ln_loc", "ln_scale", "batch_size", "lr", "betas", "warmup",
-                "grad_clip", "ema_decay", "ema_warmup", "seed", "resolution", "val_images")
-
-def setup_distributed(args):
+def setup_distributed(config):
     """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id,
-    or from the environment, which JAX reads, where a launcher started several processes (a SLURM or
-    Open MPI job of several tasks, a TPU pod slice that names its hosts in TPU_WORKER_HOSTNAMES)."""
+    or as a launcher (SLURM, Open MPI, a TPU pod slice) set them up in the environment."""
     launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1
                 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
                 or os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost")
-    if args.coordinator or args.num_processes:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if config.coordinator or config.num_processes:
+        jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
     elif launched:
         jax.distributed.initialize()
 
@@ -2492,12 +2448,9 @@ def setup_distributed(args):
 CPU_SHARE = 8
 
 def split_cpu(batch_size):
-    """On a CPU, one JAX device per core, each with an equal share of the batch of at least
-    CPU_SHARE samples, as the batch is split over a GPU's or TPU's devices. XLA spreads each
-    operation of one device's program over all the cores, which then wait for each other at the end
-    of each of a step's hundreds of operations; a program per core keeps them busy (README, Speed).
-    Only before JAX starts its backends (a notebook keeps the devices of its first run) and where
-    neither the user (XLA_FLAGS, jax_num_cpu_devices) nor a multi-host launch chose the devices."""
+    """On a CPU, one JAX device per core, each with an equal share of at least CPU_SHARE samples:
+    one program per core keeps them all busy (README, Speed). Only where neither the user nor a
+    multi-host launch chose the devices, and before JAX starts its backends."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     count = max(n for n in range(1, (cores or 1) + 1)
                 if batch_size % n == 0 and (n == 1 or batch_size // n >= CPU_SHARE))
@@ -2508,10 +2461,8 @@ def split_cpu(batch_size):
             jax.config.update("jax_num_cpu_devices", count)
 
 def use_compile_cache(directory):
-    """JAX's persistent compilation cache in `directory` ("": none): a run started again with the
-    same settings (a notebook past its time limit, a resumed job) compiles nothing, where compiling
-    takes minutes on a TPU. Every program is kept, not only those of a second or more. JAX reads the
-    settings at a process's first compilation: a reset lets a notebook's later runs change them."""
+    """JAX's persistent compilation cache in `directory` ("": none), every program kept, so that a
+    run started again compiles nothing. Reset, as JAX reads the settings at the first compilation."""
     compilation_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", bool(directory))
     if directory:
@@ -2524,27 +2475,32 @@ def check_batch_size(batch_size):
         raise InputError(f"--batch-size {batch_size} does not split over {jax.device_count()} "
                          f"devices; use a multiple of {jax.device_count()}")
 
-def model_config(args, input_size, in_channels, num_classes):
-    """The DiTConfig of model_options' options for this input: --size, --patch, and --arch's
-    switches, each overridable by its own option."""
-    switches = {k: on if getattr(args, k) is None else getattr(args, k)
-                for k, on in ARCHS[args.arch].items()}
-    depth = DIT_SIZES[args.size]["depth"]
-    internal = (args.internal_block or max(1, round(depth * 8 / 28))) * args.internal_guidance
-    with errors_named(f"--patch {args.patch}"):
-        return DiTConfig(input_size=input_size, patch_size=args.patch, in_channels=in_channels,
-                         num_classes=num_classes, **DIT_SIZES[args.size], **switches,
-                         learn_sigma=OBJECTIVES[args.objective].learn_sigma,
-                         internal_block=internal, sra_head=args.sra)
+def model_switches(config):
+    """--arch's switches, each where its own option leaves it open, and internal guidance's block
+    (8 of 28 scaled to the depth) where it is on."""
+    depth, block = DIT_SIZES[config.size]["depth"], config.internal_block
+    return {**{k: on if getattr(config, k) is None else getattr(config, k)
+               for k, on in ARCHS[config.arch].items()},
+            "internal_block": (block or max(1, round(depth * 8 / 28))) if config.internal_guidance
+            else block}
+
+def model_config(config, input_size, in_channels, num_classes):
+    """The DiTConfig of a train or bench configuration (ModelOptions) for this input."""
+    switches = model_switches(config)
+    block = switches.pop("internal_block")
+    with errors_named(f"--patch {config.patch}"):
+        return DiTConfig(input_size=input_size, patch_size=config.patch, in_channels=in_channels,
+                         num_classes=num_classes, **DIT_SIZES[config.size], **switches,
+                         learn_sigma=OBJECTIVES[config.objective].learn_sigma,
+                         internal_block=block if config.internal_guidance else 0,
+                         sra_head=config.sra)
 
 def compute_dtype(precision):
     return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision]
 
 def default_precision(device=None):
-    """The compute precision a device runs fast and right. bf16 where it is native: TPUs and NVIDIA
-    GPUs from Ampere on (compute capability 8.0: A100, L4, H100). fp16, with loss scaling in
-    training, on older NVIDIA GPUs (T4, V100, P100), which compute float16 several times faster than
-    float32 (T4 and V100 on their tensor cores) and bfloat16 only by emulation. fp32 on CPUs."""
+    """The compute precision a device runs fast and right: bf16 on TPUs and NVIDIA GPUs from Ampere
+    on, fp16 (with loss scaling) on older NVIDIA GPUs, which emulate bf16; fp32 on CPUs."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return "fp32"
@@ -2647,99 +2603,96 @@ def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
 
-def deferred_masking(args, cfg):
+def deferred_masking(config, cfg):
     """The DeferredMasking of --mask-ratio and --mixer-depth for the model of cfg, or None."""
-    if not args.mask_ratio:
+    if not config.mask_ratio:
         return None
-    if not 0 < args.mask_ratio < 1:
-        raise InputError(f"--mask-ratio {args.mask_ratio:g}: the share of patches dropped lies "
+    if not 0 < config.mask_ratio < 1:
+        raise InputError(f"--mask-ratio {config.mask_ratio:g}: the share of patches dropped lies "
                          f"in [0, 1)")
-    if args.mixer_depth >= cfg.depth:
-        raise InputError(f"--mixer-depth {args.mixer_depth} leaves none of the model's "
+    if config.mixer_depth >= cfg.depth:
+        raise InputError(f"--mixer-depth {config.mixer_depth} leaves none of the model's "
                          f"{cfg.depth} blocks to the backbone; use fewer")
-    return DeferredMasking(args.mask_ratio, args.mixer_depth)
+    return DeferredMasking(config.mask_ratio, config.mixer_depth)
 
-def auxiliary_terms(args, cfg):
+def auxiliary_terms(config, cfg):
     """The terms of section 12 that the options switch on, checked against the model's depth."""
     def block(k, option):
         if not 1 <= k <= cfg.depth:
             raise InputError(f"{option} {k}: the model has blocks 1 to {cfg.depth}")
         return k
     terms = []
-    if args.dispersive:
-        k = block(args.dispersive_block or cfg.depth, "--dispersive-block")
-        terms.append(Dispersive(k, args.dispersive_weight, args.dispersive_temperature))
-    if args.sra:
+    if config.dispersive:
+        k = block(config.dispersive_block or cfg.depth, "--dispersive-block")
+        terms.append(Dispersive(k, config.dispersive_weight, config.dispersive_temperature))
+    if config.sra:
         student = max(1, round(cfg.depth / 3))
-        student, teacher = args.sra_blocks or (student, min(cfg.depth, max(
+        student, teacher = config.sra_blocks or (student, min(cfg.depth, max(
             student + 1, round(2 * cfg.depth / 3))))
         block(student, "--sra-blocks"), block(teacher, "--sra-blocks")
         if student >= teacher:
             raise InputError(f"--sra-blocks {student} {teacher}: the student block comes before "
                              f"the teacher's")
-        terms.append(SRA(student, teacher, args.sra_offset, args.sra_weight))
-    if args.internal_guidance:
+        terms.append(SRA(student, teacher, config.sra_offset, config.sra_weight))
+    if config.internal_guidance:
         if not 1 <= cfg.internal_block < cfg.depth:
             raise InputError(f"--internal-block {cfg.internal_block}: the head goes after one of "
                              f"blocks 1 to {cfg.depth - 1}, before the final layer's")
-        terms.append(Internal(args.internal_weight))
+        terms.append(Internal(config.internal_weight))
     return tuple(terms)
 
-def open_run(args, cfg, ds, objective, masking, terms):
-    """(checkpoint to resume from or None, metadata for the run's checkpoints, whether each host
-    keeps its own run directory), with the run directory ready: a new one records the run's defining
-    settings, and begins with the history of the run whose checkpoint --resume names; an existing
-    one must hold the same run (the data order depends on the dataset's size: a changed dataset
-    could not resume exactly); a crashed save's temporary files are deleted."""
-    settings = {**{k: getattr(args, k) for k in RUN_DEFINING},
-                **{k: getattr(cfg, k) for k in ARCHS["dit"]},  # as model_config resolved them
-                "dataset_size": len(ds), "num_classes": ds.num_classes,
-                "masking": dataclasses.asdict(masking) if masking else None,
-                "terms": {t.name: dataclasses.asdict(t) for t in terms} or None,
-                "internal_block": cfg.internal_block}
+def open_run(config, cfg, ds, objective, masking, terms):
+    """(checkpoint to resume from or None, checkpoint metadata, whether each host keeps its own
+    run directory), with the run directory ready: a new one gets run.json and, after --resume from
+    another run, that run's history; an existing one must hold the same run."""
+    record = {**dataclasses.asdict(config), "dataset_size": len(ds), "num_classes": ds.num_classes,
+              "masking": dataclasses.asdict(masking) if masking else None,
+              "terms": {t.name: dataclasses.asdict(t) for t in terms} or None}
+    record = json.loads(json.dumps(record))  # as run.json reads back: tuples as lists
+    settings = run_settings(record)
     meta = {"model": dataclasses.asdict(cfg), "settings": settings, "class_names": ds.class_names,
-            "unmask_at": args.unmask_at, "latent_scale": ds.latent_scale,
+            "unmask_at": config.unmask_at, "latent_scale": ds.latent_scale,
             "objective": objective_record(objective)}
-    path, automatic = os.path.join(args.run_dir, "run.json"), args.resume in (None, "latest")
+    path, automatic = os.path.join(config.run_dir, "run.json"), config.resume in (None, "latest")
     with on_every_host():  # each host looks in its own --run-dir
-        found = list_checkpoints(args.run_dir)
-        checkpoint = (found or [None])[-1] if automatic else args.resume
-        if args.resume and not (checkpoint and os.path.isfile(checkpoint)):
-            where = "in " + args.run_dir if args.resume == "latest" else args.resume
+        found = list_checkpoints(config.run_dir)
+        checkpoint = (found or [None])[-1] if automatic else config.resume
+        if config.resume and not (checkpoint and os.path.isfile(checkpoint)):
+            where = "in " + config.run_dir if config.resume == "latest" else config.resume
             raise InputError(f"--resume: no checkpoint {where}")
         newer = [p for p in found if os.path.basename(p) > os.path.basename(checkpoint or "")]
         if newer:  # a later automatic resume would jump back to them, mixing two histories
-            raise InputError(f"--resume {checkpoint}: {args.run_dir} holds newer checkpoints "
+            raise InputError(f"--resume {checkpoint}: {config.run_dir} holds newer checkpoints "
                              f"({os.path.basename(newer[-1])}); continue in another --run-dir, or "
                              f"move those away")
         if os.path.exists(path):
             old = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
                             "delete it to go on with this command's settings, or use another "
                             "--run-dir")
-            # A setting missing from run.json is one that its run had off.
+            # A setting missing from run.json is one that its run had off (0, None or False).
             diff = {k: (old.get(k), settings[k]) for k in settings
-                    if old.get(k) != settings[k] and (k in old or settings[k])}
+                    if (old.get(k) or None) != (settings[k] or None)}
             if diff:
                 changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-                raise InputError(f"{args.run_dir} holds another run ({changes}). Use another "
+                raise InputError(f"{config.run_dir} holds another run ({changes}). Use another "
                                  f"--run-dir, or the same settings to resume it.")
         # a new run directory that goes on from another run's checkpoint goes on with its history
         before = None if automatic or os.path.exists(path) else run_of(checkpoint)
-    local_disks = not run_dir_is_shared(args.run_dir)
+    local_disks = not run_dir_is_shared(config.run_dir)
     writes = local_disks or jax.process_index() == 0
     with on_every_host():  # a host that cannot copy the history ends them all
         if writes and not os.path.exists(path):
             if before:  # before run.json, which marks the directory as ready
                 step = read_checkpoint(checkpoint, names=[])[0]["step"]
-                copied = copy_history(before, args.run_dir, step)
+                copied = copy_history(before, config.run_dir, step)
                 if jax.process_index() == 0:
                     print(f"continues {before} at step {step}: its metrics, grids and kept EMA "
                           f"weights up to there copied (files: {copied['samples']} in samples/, "
                           f"{copied['ema']} in ema/)")
-            write_atomically(path, lambda f: f.write(json.dumps(settings, indent=1).encode()))
+            write_atomically(path, lambda f: f.write(json.dumps(record, indent=1).encode()))
     # Agreed before restoring, itself collective: hosts restoring different files would never meet.
-    checkpoint = agree_on_checkpoint(args.run_dir, checkpoint, automatic)
-    ckpt_dir = os.path.join(args.run_dir, "checkpoints")
+    checkpoint = agree_on_checkpoint(config.run_dir, checkpoint, automatic)
+    ckpt_dir = os.path.join(config.run_dir, "checkpoints")
     if writes and os.path.isdir(ckpt_dir):
         for name in os.listdir(ckpt_dir):
             if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
@@ -2766,6 +2719,8 @@ def copy_history(source, run_dir, step):
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
         copied[folder] = len(names)
     return copied
+
+# --- Hosts' agreement ----------------------------------------------------------
 
 # What a host finds on its own disk (a pod slice's hosts have one each) must not send it down
 # another path through the collectives than the others, where they would wait for it for ever.
@@ -2847,6 +2802,8 @@ def agree_on_checkpoint(run_dir, checkpoint, automatic):
                          f"the newest from process 0's host to process {lacking}'s, or use a "
                          f"folder that all hosts share")
     return common
+
+# --- Metrics -------------------------------------------------------------------
 
 class TensorBoard:
     """metrics.jsonl's records and grids as TensorBoard events in RUN_DIR/tensorboard, by the
@@ -2965,15 +2922,17 @@ class MetricsLog:
         yield
         self.t0 += time.perf_counter() - t
 
+# --- The loop ------------------------------------------------------------------
+
 @dataclasses.dataclass
 class Run:
-    """What training returns: where the run is and how it stands, which a notebook shows as one
-    line; `state` (parameters, EMA, optimizer, step) for code that goes on from it."""
+    """What training returns, shown as one line in a notebook; `state` for code that goes on from it."""
     run_dir: str
     step: int
     loss: float | None
     fid: float | None
     stopped: str | None  # "interrupted" or "reached --time-limit" before the last step; None
+    config: "TrainConfig" = dataclasses.field(repr=False)  # with its defaults filled in
     state: dict = dataclasses.field(repr=False)
 
 def params_line(model):
@@ -2981,90 +2940,93 @@ def params_line(model):
     n, sampled = count_params(model), sum(v.size for v in sampled_params(model).values())
     return f"{n:,} parameters" + (f" ({sampled:,} at sampling)" if sampled != n else "")
 
-def train(args):
-    """Train a DiT on args.dataset, from --resume's checkpoint or else run_dir's newest, if any."""
+def train(config):
+    """Train a DiT as a TrainConfig says, from --resume's checkpoint or else the newest in its
+    run directory, if any."""
     # The devices, the data, and the model, objective and optimizer that fit it.
-    use_compile_cache(args.compile_cache)  # before anything compiles
+    config = with_defaults(checked(config))
+    config = start_devices(config, config.batch_size)
+    use_compile_cache(config.compile_cache)  # before anything compiles
     mesh = make_mesh()
-    check_batch_size(args.batch_size)
+    check_batch_size(config.batch_size)
     if jax.process_index() == 0:  # told first, before the data and the model take their time
-        for note in session_notes(args.run_dir, args.time_limit, jax.default_backend(), os.environ):
+        for note in session_notes(config.run_dir, config.time_limit, jax.default_backend(), os.environ):
             print(note)
     with on_every_host():
-        ds = load_dataset(args.dataset, args.data_dir, args.resolution)
+        ds = load_dataset(config.dataset, config.data_dir, config.resolution)
     same_data_on_every_host(ds)
     H, W, C = ds.input_shape
-    cfg = model_config(args, H, C, ds.num_classes)
-    masking, terms = deferred_masking(args, cfg), auxiliary_terms(args, cfg)
-    objective = make_objective(args.objective, timestep_sampling=args.timestep_sampling,
-                               loc=args.ln_loc, scale=args.ln_scale, sigma_data=ds.sigma_data)
-    tx, schedule = make_optimizer(args.lr, args.warmup, args.grad_clip, args.betas)
-    train_idx, held_out = hold_out(len(ds), args.val_images)
+    cfg = model_config(config, H, C, ds.num_classes)
+    masking, terms = deferred_masking(config, cfg), auxiliary_terms(config, cfg)
+    objective = make_objective(config.objective, timestep_sampling=config.timestep_sampling,
+                               loc=config.ln_loc, scale=config.ln_scale, sigma_data=ds.sigma_data)
+    tx, schedule = make_optimizer(config.lr, config.warmup, config.grad_clip, config.betas)
+    train_idx, held_out = hold_out(len(ds), config.val_images)
 
     # The run directory, and the state: restored from a checkpoint, or new.
-    stop = Stop(args.time_limit)  # the time limit counts from here
-    checkpoint, meta, local_disks = open_run(args, cfg, ds, objective, masking, terms)
-    graphdef, state, shardings = init_state(cfg, tx, args.seed, mesh, args.fsdp,
-                                            compute_dtype(args.precision), args.remat, checkpoint)
+    stop = Stop(config.time_limit)  # the time limit counts from here
+    checkpoint, meta, local_disks = open_run(config, cfg, ds, objective, masking, terms)
+    graphdef, state, shardings = init_state(cfg, tx, config.seed, mesh, config.fsdp,
+                                            compute_dtype(config.precision), config.remat, checkpoint)
     start = int(to_host(state["step"]))
-    trace = StepTrace(args.profile, start, args.steps)
-    print(f"DiT-{args.size}/{args.patch} on {args.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
+    trace = StepTrace(config.profile, start, config.steps)
+    print(f"DiT-{config.size}/{config.patch} on {config.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
           f"{ds.num_classes} classes): {params_line(nnx.merge(graphdef, state['params']))}, "
           f"{jax.device_count()} devices, {jax.process_count()} processes, "
-          f"{args.precision}")
-    log = MetricsLog(args.run_dir, start, args.batch_size, schedule)
+          f"{config.precision}")
+    log = MetricsLog(config.run_dir, start, config.batch_size, schedule)
     # Deferred masking's step before --unmask-at, the step on every patch after it (and throughout
     # without masking), each compiled at its first step.
-    masked, whole = (jit_train_step(graphdef, objective, tx, args.ema_decay, args.ema_warmup,
-                                    args.seed, mesh, shardings, m, terms) for m in (masking, None))
-    unmask_at = args.steps if args.unmask_at is None else args.unmask_at
-    evaluator = Evaluator(args, cfg, graphdef, objective, mesh, ds, held_out)
+    masked, whole = (jit_train_step(graphdef, objective, tx, config.ema_decay, config.ema_warmup,
+                                    config.seed, mesh, shardings, m, terms) for m in (masking, None))
+    unmask_at = config.steps if config.unmask_at is None else config.unmask_at
+    evaluator = Evaluator(config, cfg, graphdef, objective, mesh, ds, held_out)
 
     # The loop: a step on each global batch (from each process's share), then records, evaluations
     # and checkpoints at their intervals, until the end or a Stop (the same step on all processes).
     batch, stopped = NamedSharding(mesh, P("data")), None
-    with (stop, tqdm(range(start, args.steps), initial=start, total=args.steps,
+    with (stop, tqdm(range(start, config.steps), initial=start, total=config.steps,
                      disable=jax.process_index() != 0) as bar,
-          Loader(ds, args.batch_size, args.seed, start, jax.process_index(), jax.process_count(),
+          Loader(ds, config.batch_size, config.seed, start, jax.process_index(), jax.process_count(),
                  subset=train_idx) as loader):
         for step, (x, y) in zip(bar, loader):
             trace(step, state)
-            x = jax.make_array_from_process_local_data(batch, x, (args.batch_size, H, W, C))
-            y = jax.make_array_from_process_local_data(batch, y, (args.batch_size,))
+            x = jax.make_array_from_process_local_data(batch, x, (config.batch_size, H, W, C))
+            y = jax.make_array_from_process_local_data(batch, y, (config.batch_size,))
             state, metrics = (masked if step < unmask_at else whole)(state, x, y)
             log.pending.append(metrics)
             done = step + 1
-            set_total(bar, stop.last_step(start, done, args.steps))
-            stopped = stop.reason(done) if done < args.steps else None
-            last = done == args.steps or stopped
-            if done % args.log_every == 0 or done % args.ckpt_every == 0 or last:
+            set_total(bar, stop.last_step(start, done, config.steps))
+            stopped = stop.reason(done) if done < config.steps else None
+            last = done == config.steps or stopped
+            if done % config.log_every == 0 or done % config.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
             with log.paused():  # the checkpoint last: a run resumed from it keeps its records
                 evaluator(state["ema"], done, log)
-                if done % args.ckpt_every == 0 or last:
-                    saved = save_checkpoint(args.run_dir, state, meta, args.keep, local_disks,
-                                            args.keep_ema)
+                if done % config.ckpt_every == 0 or last:
+                    saved = save_checkpoint(config.run_dir, state, meta, config.keep, local_disks,
+                                            config.keep_ema)
             if stopped:
                 break
     if stopped and jax.process_index() == 0:
-        print(f"{stopped} at step {done} of {args.steps}: saved {saved}"
+        print(f"{stopped} at step {done} of {config.steps}: saved {saved}"
               f"{' (on every host)' if local_disks else ''}; the same command continues from there")
 
     # The end of a finished run: the final FID, the EMA weights on their own, and the time taken.
     if not stopped:
-        trace(args.steps, state)
-        if args.final_fid:
-            evaluator.fid(state["ema"], args.steps, args.final_fid, log)
+        trace(config.steps, state)
+        if config.final_fid:
+            evaluator.fid(state["ema"], config.steps, config.final_fid, log)
         # on each host that keeps checkpoints, so that `sample` can run on all as training did
-        if (local_disks or jax.process_index() == 0) and list_checkpoints(args.run_dir):
-            out = export_ema(list_checkpoints(args.run_dir)[-1], f"{args.run_dir}/ema.safetensors")
+        if (local_disks or jax.process_index() == 0) and list_checkpoints(config.run_dir):
+            out = export_ema(list_checkpoints(config.run_dir)[-1], f"{config.run_dir}/ema.safetensors")
             if jax.process_index() == 0:
-                print(f"finished {args.steps} steps in {time.monotonic() - stop.start:.0f} s: "
-                      f"grids in {args.run_dir}/samples, EMA weights in {out}"
+                print(f"finished {config.steps} steps in {time.monotonic() - stop.start:.0f} s: "
+                      f"grids in {config.run_dir}/samples, EMA weights in {out}"
                       f"{' (on every host)' if local_disks else ''}")
-    return Run(args.run_dir, int(to_host(state["step"])), log.last.get("loss"),
-               log.last.get("fid"), stopped, state)
+    return Run(config.run_dir, int(to_host(state["step"])), log.last.get("loss"),
+               log.last.get("fid"), stopped, config, state)
 
 #################################################################################
 #                          18. Sampling and evaluation                          #
@@ -3351,40 +3313,40 @@ def reference_on_every_host(paths):
     return paths[-1], False
 
 class Evaluator:
-    """What a training run evaluates of its EMA weights (__call__): grids from the same noise and
-    labels each time, so that they compare; FID against --fid-ref or the prepared ImageNet-100's."""
+    """What a run evaluates of its EMA weights: grids from the same noise each time, the validation
+    loss, FID."""
 
-    def __init__(self, args, cfg, graphdef, objective, mesh, ds, held_out):
-        scores = bool(args.fid_every or args.final_fid)
+    def __init__(self, config, cfg, graphdef, objective, mesh, ds, held_out):
+        scores = bool(config.fid_every or config.final_fid)
         with on_every_host():  # each host's own VAE weights, and guide
-            vae = (load_decoder(args.vae, ds.input_shape[-1], vae_dtype(args.precision))
+            vae = (load_decoder(config.vae, ds.input_shape[-1], vae_dtype(config.precision))
                    if ds.is_latent else None)
-            guide = (load_guide(args.fid_guide, cfg, objective, ds.latent_scale, args.run_dir,
-                                compute_dtype(args.precision))[0]
-                     if scores and args.fid_guide and args.fid_guide_scale != 1 else None)
+            guide = (load_guide(config.fid_guide, cfg, objective, ds.latent_scale, config.run_dir,
+                                compute_dtype(config.precision))[0]
+                     if scores and config.fid_guide and config.fid_guide_scale != 1 else None)
         sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
-                                    latent_scale=ds.latent_scale, steps=args.sample_steps,
+                                    latent_scale=ds.latent_scale, steps=config.sample_steps,
                                     method=objective.default_method)
-        self.grid_sampler, self.fid_sampler = sampler(cfg_scale=args.cfg_scale), None
+        self.grid_sampler, self.fid_sampler = sampler(cfg_scale=config.cfg_scale), None
         if scores:  # at the setting that a guidance sweep found best
-            self.fid_sampler = sampler(cfg_scale=args.fid_cfg_scale,
-                                       interval=args.fid_guidance_interval, guide=guide,
-                                       guide_scale=args.fid_guide_scale)
+            self.fid_sampler = sampler(cfg_scale=config.fid_cfg_scale,
+                                       interval=config.fid_guidance_interval, guide=guide,
+                                       guide_scale=config.fid_guide_scale)
         batch, n = NamedSharding(mesh, P("data")), device_multiple(16)
         # the grid's inputs, made once where the sampler takes them: an evaluation moves nothing
         self.grid = jax.jit(lambda: (
-            jax.random.normal(jax.random.key(args.seed + 1), (n, *ds.input_shape)),
-            jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(args.seed + 2)),
+            jax.random.normal(jax.random.key(config.seed + 1), (n, *ds.input_shape)),
+            jnp.asarray(spread_labels(n, ds.num_classes)), jax.random.key(config.seed + 2)),
             out_shardings=(batch, batch, NamedSharding(mesh, P())))()
-        self.args, self.ds, refs = args, ds, [args.fid_ref] if args.fid_ref else []
-        if not refs and args.dataset == "imagenet100":
-            data_dir = args.data_dir or default_data_dir("imagenet100")
+        self.config, self.ds, refs = config, ds, [config.fid_ref] if config.fid_ref else []
+        if not refs and config.dataset == "imagenet100":
+            data_dir = config.data_dir or default_data_dir("imagenet100")
             # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
             refs = [os.path.join(data_dir, name) for name in ("fid_ref.npz", "fid_stats.npz")]
         self.ref, self.has_ref = reference_on_every_host(refs if self.fid_sampler else [])
         if self.has_ref:  # what FID needs, each host's own, before training rather than after
             with on_every_host():
-                self.inception = fid_module().load_inception(args.inception)
+                self.inception = fid_module().load_inception(config.inception)
                 self.reference = fid_module().load_reference(self.ref)
         # Held-out samples and their noise use seed 0, not the run's, so every evaluation compares;
         # repeats pad them to a multiple of the devices, and validation_losses leaves those out.
@@ -3400,18 +3362,18 @@ class Evaluator:
 
     def __call__(self, params, step, log):
         """The grid (samples/, TensorBoard), validation losses and FID due after step `step`."""
-        args = self.args
-        if step % args.sample_every == 0 or step == args.steps:
+        config = self.config
+        if step % config.sample_every == 0 or step == config.steps:
             images = self.grid_sampler(params, *self.grid)
             if jax.process_index() == 0:
-                path = os.path.join(args.run_dir, "samples", f"step_{step:07d}.png")
+                path = os.path.join(config.run_dir, "samples", f"step_{step:07d}.png")
                 log.board.image(step, save_grid(images, path))
-        if args.val_images and (step % args.val_every == 0 or step == args.steps):
+        if config.val_images and (step % config.val_every == 0 or step == config.steps):
             losses = to_host(self.val_fn(params, *self.val))
             log.write({"step": step, "val_loss": float(losses.mean()),
                        "val_loss_t": {f"{t:g}": float(v) for t, v in zip(VAL_TIMES, losses)}})
-        if args.fid_every and step % args.fid_every == 0:
-            self.fid(params, step, args.fid_samples, log)
+        if config.fid_every and step % config.fid_every == 0:
+            self.fid(params, step, config.fid_samples, log)
 
     def fid(self, params, step, n, log):
         """Print and log FID-N and fid.py's other scores of n samples, or why there are none."""
@@ -3419,8 +3381,8 @@ class Evaluator:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
-        *_, scores = sample_and_score(self.fid_sampler, params, n, self.args.batch_size,
-                                      self.ds.input_shape, self.ds.num_classes, self.args.seed,
+        *_, scores = sample_and_score(self.fid_sampler, params, n, self.config.batch_size,
+                                      self.ds.input_shape, self.ds.num_classes, self.config.seed,
                                       self.inception, self.reference)
         log.write({"step": step, **fid_record(scores)})
         print(f"step {step}: {fid_module().describe(scores)}")
@@ -3473,27 +3435,26 @@ def timed(step, n, profile_dir, name):
         jax.block_until_ready(out)
         return compile_s, (time.perf_counter() - start) / n
 
-def bench(args):
-    """Speed on synthetic data with random weights (speed is independent of them): the training step
-    (ms/step, images/s, MFU, peak memory), with --mask-ratio the masked step too, with each
-    auxiliary term switched on the step with it, the forward pass of every sampling step, and with
-    --fid N, FID-N end to end (fid.bench_fid). Returns figures."""
+def bench(config):
+    """Speed with random weights on synthetic data: the training step (with masking and with each
+    term too), the forward pass and, with --fid N, FID-N end to end. Returns figures."""
+    config = start_devices(checked(config), config.batch_size)
     mesh = make_mesh()
-    check_batch_size(args.batch_size)
+    check_batch_size(config.batch_size)
     latent_channels = VAEConfig().latent_channels
-    if args.fid and args.channels != latent_channels:
+    if config.fid and config.channels != latent_channels:
         raise InputError(f"--fid decodes with the SD VAE, whose latents have {latent_channels} "
                          f"channels; use --channels {latent_channels}")
-    cfg = model_config(args, args.image_size, args.channels, 1000)
+    cfg = model_config(config, config.image_size, config.channels, 1000)
     tx, _ = make_optimizer(1e-4)
-    graphdef, state, shardings = init_state(cfg, tx, 0, mesh, args.fsdp,
-                                            compute_dtype(args.precision), args.remat)
-    objective, masking = make_objective(args.objective), deferred_masking(args, cfg)
-    terms = auxiliary_terms(args, cfg)
+    graphdef, state, shardings = init_state(cfg, tx, 0, mesh, config.fsdp,
+                                            compute_dtype(config.precision), config.remat)
+    objective, masking = make_objective(config.objective), deferred_masking(config, cfg)
+    terms = auxiliary_terms(config, cfg)
     step_fn, masked_fn = (jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings,
                                          m) for m in (None, masking))
     batch = NamedSharding(mesh, P("data"))
-    n, shape = args.batch_size, (args.image_size, args.image_size, args.channels)
+    n, shape = config.batch_size, (config.image_size, config.image_size, config.channels)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (n, *shape)), batch)
     y = jax.device_put(jnp.arange(n) % 1000, batch)
 
@@ -3510,9 +3471,9 @@ def bench(args):
     gib = lambda mem: f"{mem / 2**30:.2f} GiB" if mem else "n/a"  # noqa: E731
     # The masked step first: the peak memory is the largest since the start.
     if masking:
-        masked_compile_s, masked_s = timed(stepping(masked_fn), args.steps, args.profile, "masked")
+        masked_compile_s, masked_s = timed(stepping(masked_fn), config.steps, config.profile, "masked")
         masked_mem = memory()
-    compile_s, seconds = timed(stepping(step_fn), args.steps, args.profile, "train")
+    compile_s, seconds = timed(stepping(step_fn), config.steps, config.profile, "train")
 
     def speed(flops, seconds):  # flops of one call, seconds per call
         mfu = (f"{100 * flops / seconds / (peak * jax.device_count()):.1f}%" if peak
@@ -3524,10 +3485,10 @@ def bench(args):
         return ", ".join(f"{k // 1000}K steps {k * seconds / 3600:,.1f} h"
                          for k in (100_000, 400_000))
 
-    print(f"DiT-{args.size}/{args.patch} {args.image_size}x{args.image_size}x{args.channels}, "
-          f"global batch {n}, {args.arch}, {args.precision}"
-          f"{f', remat {args.remat}' if args.remat else ''}"
-          f"{', fsdp' if args.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
+    print(f"DiT-{config.size}/{config.patch} {config.image_size}x{config.image_size}x{config.channels}, "
+          f"global batch {n}, {config.arch}, {config.precision}"
+          f"{f', remat {config.remat}' if config.remat else ''}"
+          f"{', fsdp' if config.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
     # backward = twice the forward
     print(f"  train:   compile {compile_s:.1f} s | {speed(3 * dit_flops(cfg) * n, seconds)} | "
           f"peak memory {gib(memory())}")
@@ -3541,7 +3502,7 @@ def bench(args):
     for term in terms:  # each alone, beside the step without
         term_fn = jit_train_step(graphdef, objective, tx, 0.9999, False, 0, mesh, shardings,
                                  terms=(term,))
-        compile_s, term_s = timed(stepping(term_fn), args.steps, args.profile, term.name)
+        compile_s, term_s = timed(stepping(term_fn), config.steps, config.profile, term.name)
         print(f"  {term.name}: compile {compile_s:.1f} s | {1000 * term_s:.1f} ms/step | "
               f"{n / term_s:.1f} images/s, {term_s / seconds:.2f}x the step without it")
         figures[f"{term.name}_ms_per_step"] = 1000 * term_s
@@ -3549,12 +3510,12 @@ def bench(args):
     forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
                       in_shardings=(None, batch, batch, batch))
     t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
-    compile_s, forward_s = timed(lambda: forward(state["params"], x, t, y), args.steps,
-                                 args.profile, "forward")
+    compile_s, forward_s = timed(lambda: forward(state["params"], x, t, y), config.steps,
+                                 config.profile, "forward")
     print(f"  forward: compile {compile_s:.1f} s | {speed(dit_flops(cfg) * n, forward_s)}")
     figures["forward_images_per_s"] = n / forward_s
-    if args.fid:
-        figures["fid_seconds"] = fid_module().bench_fid(args, cfg, objective, graphdef,
+    if config.fid:
+        figures["fid_seconds"] = fid_module().bench_fid(config, cfg, objective, graphdef,
                                                         state["params"], mesh, shape)
     return figures
 
@@ -3588,8 +3549,9 @@ class RunRecords:
         if not os.path.isfile(path):
             raise InputError(f"{run_dir} is not a run directory: it has no run.json, which train "
                              f"writes in its --run-dir")
-        self.settings = read_json(path, lambda obj: isinstance(obj, dict), "the settings of a run",
-                                  "the run directory is damaged")
+        self.settings = run_settings(read_json(path, lambda obj: isinstance(obj, dict),
+                                               "the settings of a run",
+                                               "the run directory is damaged"))
         path = os.path.join(run_dir, "metrics.jsonl")
         records = sorted(read_metrics(path) if os.path.isfile(path) else [],
                          key=lambda r: r["step"])
@@ -3835,8 +3797,8 @@ class Report:
             return f.read()
 
 def report(run_dirs, out, axis="steps"):
-    """report.md and curves.png in `out` for the run directories `run_dirs`, against training
-    steps or hours of training (`axis`). Without matplotlib: report.md, and a line to say so."""
+    """report.md and curves.png in `out` for `run_dirs`, against steps or hours (`axis`); without
+    matplotlib, report.md alone."""
     runs = [RunRecords(d) for d in run_dirs]
     labels = run_labels(runs)
     try:
@@ -3855,23 +3817,68 @@ def report(run_dirs, out, axis="steps"):
     return Report(markdown, curves, fig)
 
 #################################################################################
-#                                21. Command line                               #
+#                       21. Configuration and command line                      #
 #################################################################################
 
+# --- One-line errors -----------------------------------------------------------
+
+def one_line(e):
+    """`error: <message>` of an InputError or an OSError (a missing file, a full disk)."""
+    message = str(e)
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        message = f"{e.filename}: {e.strerror}"  # rather than "[Errno 2] ...: 'path'"
+    # A message can quote another library's error text, which may span lines.
+    return "error: " + " ".join(message.splitlines())
+
+# The oldest releases this file runs on: flax 0.12.0 brought nnx.List and needs jax 0.7.1; optax
+# 0.2.5 brought optax.tree. Checked at import, so that an older notebook image ends in one line.
+MINIMUM_VERSIONS = {"jax": "0.7.1", "flax": "0.12.0", "optax": "0.2.5"}
+
+def check_versions(installed):
+    """InputError naming the packages of `installed` ({name: version}) older than they must be."""
+    number = lambda v: tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", v).group().split("."))
+    old = [name for name, v in installed.items() if number(v) < number(MINIMUM_VERSIONS[name])]
+    if old:
+        found = ", ".join(f"{name} {installed[name]}" for name in old)
+        need = [f"{name}>={MINIMUM_VERSIONS[name]}" for name in old]
+        extras = " (for jax on a TPU or GPU: jax[tpu] or jax[cuda12])" if "jax" in old else ""
+        raise InputError(f"found {found}; this code needs {', '.join(need)}: pip install -U "
+                         f"{' '.join(repr(n) for n in need)}{extras}, then restart Python")
+
+InputError._render_traceback_ = lambda self: [one_line(self)]  # IPython's: one line, no traceback
+
+try:  # at import, before anything a user calls
+    check_versions({name: sys.modules[name].__version__ for name in MINIMUM_VERSIONS})
+except InputError as e:
+    if hasattr(sys.modules["__main__"], "__file__"):  # a script, not a notebook or a prompt
+        raise SystemExit(one_line(e)) from None
+    raise
+
 def run_cli(main, argv=None):
-    """Run a command line's `main(argv)`: a failure on the user's input exits with status 1 and one
-    line on stderr (one_line); any other exception is a bug and keeps its traceback."""
+    """Run `main(argv)`: the user's mistake exits with one line on stderr; a bug keeps its traceback."""
     try:
         return main(argv)
     except (InputError, OSError) as e:
         raise SystemExit(one_line(e)) from None
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse's parser, but a bad option raises InputError rather than printing the usage and
-    exiting: one line from the command line, and in a notebook one line with the kernel alive."""
+    """argparse's parser, whose errors raise InputError instead of printing usage and exiting."""
 
     def error(self, message):
         raise InputError(f"{message} (--help lists the options)")
+
+@contextlib.contextmanager
+def errors_named(option):
+    """Within it, an InputError about the value that `option` ("--patch 4") gave starts with it."""
+    try:
+        yield
+    except InputError as e:
+        raise InputError(f"{option}: {e}") from None
+
+# --- Configuration -------------------------------------------------------------
+# Each command's settings are one frozen dataclass, a field per option: its default, its --help
+# text and how argparse reads it. The parser is built from the fields, so an option is written in
+# one place. A notebook passes the dataclass itself: dit.train(dit.TrainConfig(size="S", ...)).
 
 def _parsed(parse, expected, ok=lambda value: True):
     """An argparse type: `parse(text)` if it parses and `ok` accepts it, else an error."""
@@ -3890,78 +3897,427 @@ positive_float = _parsed(float, "a number above 0", lambda x: x > 0)
 float_list = _parsed(lambda text: list(map(float, text.split(","))), "comma-separated numbers")
 int_list = _parsed(lambda text: list(map(int, text.split(","))), "comma-separated whole numbers")
 
-@contextlib.contextmanager
-def errors_named(option):
-    """Within it, an InputError of the core about the value that `option` ("--patch 4") gave
-    starts with the option, so that the user knows which one to change."""
-    try:
-        yield
-    except InputError as e:
-        raise InputError(f"{option}: {e}") from None
+def option(default=None, help=None, *, run=False, **words):
+    """A field of a command's configuration: its default, its --help text and argparse's words for
+    it (type, choices, nargs, action, ...); run=True where it defines a run (a resume keeps it)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, run=run, **words))
 
-def sample_command(args):
-    """`python dit.py sample`: a PNG grid (and a GIF of the trajectory), or FID-N samples and their
-    scores, once per guidance setting (every --cfg-scale with every --guidance-interval, every
-    --guide at every --guide-scale and every --internal-scale), each from the same noise, so that
-    their rows compare. The scores of a run's weights join its
-    metrics.jsonl, each with its guidance setting, for `report`."""
+def redefault(cls, name, default):
+    """The option `name` of `cls` with another default."""
+    return dataclasses.field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
+
+STEPS_DEFAULT = "(default: " + ", ".join(f"{name} {objective.default_steps}"
+                                         for name, objective in OBJECTIVES.items()) + ")"
+BOOL = argparse.BooleanOptionalAction  # --x and --no-x, None where neither is given
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """The model that train and bench build, its objective, and how it computes."""
+    size: str | None = option(None, "model size, Table 1 of the paper (T and D: small sizes for "
+                              "CPU demos)", choices=list(DIT_SIZES), run=True)
+    patch: int | None = option(None, "patch size p: the model sees (H/p)^2 tokens", type=int,
+                               choices=[2, 4, 8], run=True)
+    arch: str = option("dit", "dit: the paper's; dit+: with the changes of the README's ablation",
+                       choices=list(ARCHS), run=True)
+    qk_norm: bool | None = option(None, "RMSNorm on queries and keys (default: as --arch says), "
+                                  "for ablations", action=BOOL, run=True)
+    rms_norm: bool | None = option(None, "RMSNorm instead of LayerNorm (default: as --arch says), "
+                                   "for ablations", action=BOOL, run=True)
+    swiglu: bool | None = option(None, "a SwiGLU feed-forward layer (default: as --arch says), "
+                                 "for ablations", action=BOOL, run=True)
+    rope: bool | None = option(None, "2-D rotary position embeddings (default: as --arch says), "
+                               "for ablations", action=BOOL, run=True)
+    objective: str = option("rf", "rectified flow; DiT's DDPM with learned variance (the "
+                            "paper's); or EDM (Karras et al. 2022)", choices=list(OBJECTIVES),
+                            run=True)
+    precision: str | None = option(None, "compute dtype; parameters and optimizer state stay fp32 "
+                                   "(default: bf16 on TPUs and NVIDIA GPUs from Ampere on, fp16 on "
+                                   "older GPUs, fp32 on CPUs)", choices=["bf16", "fp16", "fp32"])
+    remat: str | None = option(None, "recompute activations in the backward pass: dots (without "
+                               "a value) keeps the matrix products' outputs, full only each "
+                               "block's input", nargs="?", const="dots",
+                               choices=list(REMAT_POLICIES))
+    fsdp: bool = option(False, "shard parameters and optimizer state", action="store_true")
+    mask_ratio: float = option(0.0, "deferred masking (MicroDiT): train the blocks after the mixer "
+                               "on a random 1 - R of each image's patches (0: every patch); "
+                               "sampling sees every patch", type=float, metavar="R")
+    mixer_depth: int = option(2, "with --mask-ratio: the first N blocks see every patch (default: "
+                              "2)", type=non_negative_int, metavar="N")
+    # The auxiliary terms of section 12, each on its own switch; blocks count from 1.
+    dispersive: bool = option(False, "dispersive loss on a block's tokens", action="store_true")
+    dispersive_block: int | None = option(None, "its block (default: the last)",
+                                          type=positive_int, metavar="K")
+    dispersive_weight: float = option(0.5, type=positive_float, metavar="W")
+    dispersive_temperature: float = option(1.0, type=positive_float, metavar="TAU")
+    sra: bool = option(False, "self-representation alignment: a block aligned through a "
+                       "projection head to a later block of the EMA weights", action="store_true")
+    sra_blocks: tuple[int, int] | None = option(None, "its blocks (default: a third and two "
+                                                "thirds of the depth, 4 8 on DiT-S)",
+                                                type=positive_int, nargs=2,
+                                                metavar=("STUDENT", "TEACHER"))
+    sra_offset: float = option(0.2, "the teacher's noise level is lower by up to this (uniform "
+                               "per sample)", type=positive_float, metavar="DT")
+    sra_weight: float = option(0.5, type=positive_float, metavar="W")
+    internal_guidance: bool = option(False, "an output head after an intermediate block, trained "
+                                     "with the model, for `sample --internal-scale`",
+                                     action="store_true")
+    internal_block: int | None = option(None, "its block (default: 8 of 28 scaled to the depth, 3 "
+                                        "on DiT-S)", type=positive_int, metavar="K", run=True)
+    internal_weight: float = option(0.5, type=positive_float, metavar="W")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightOptions:
+    """The weights that train and sample read beside the model's, and their seed."""
+    vae: str = option("ema", "VAE of latent models: ema, mse (downloaded when missing), or a local "
+                      "diffusers folder or weight file")
+    inception: str | None = option(None, "pytorch-fid Inception weights for FID (downloaded when "
+                                   "missing)")
+    seed: int = option(0, "seed of every random number", type=int, run=True)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostOptions:
+    """The processes of a multi-host run that no launcher (SLURM, Open MPI, TPU pod) set up."""
+    coordinator: str | None = option(None, "address:port of process 0, for multi-host runs that "
+                                     "no launcher (SLURM, Open MPI, TPU pod) set up")
+    num_processes: int | None = option(None, "processes of a multi-host run", type=positive_int)
+    process_id: int | None = option(None, "this process's index, from 0", type=non_negative_int)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig(HostOptions, WeightOptions, ModelOptions):
+    """train a DiT (the default command); None leaves a setting to the recipe (RECIPES)"""
+    dataset: str = option("mnist", "what to train on; its recipe (below) gives the defaults",
+                          choices=["mnist", "cifar10", "imagenet100", "folder"], run=True)
+    data_dir: str | None = option(None, "where the dataset is (downloaded there when missing, for "
+                                  "mnist and cifar10)")
+    resolution: int | None = option(None, "centre-crop size for --dataset folder",
+                                    type=positive_int, run=True)
+    timestep_sampling: str = option("logit_normal", "distribution of rectified flow's training "
+                                    "times", choices=["logit_normal", "uniform"], run=True)
+    ln_loc: float = option(0.0, "mean of the logit-normal timesteps", type=float, run=True)
+    ln_scale: float = option(1.0, "scale of the logit-normal timesteps", type=positive_float,
+                             run=True)
+    batch_size: int | None = option(None, "batch over all devices and hosts", type=positive_int,
+                                    run=True)
+    steps: int | None = option(None, "training steps", type=positive_int)
+    lr: float | None = option(None, "AdamW learning rate", type=float, run=True)
+    betas: tuple[float, float] = option((0.9, 0.999), "AdamW's moment decays", type=float,
+                                         nargs=2, metavar=("B1", "B2"), run=True)
+    warmup: int = option(0, "linear LR warm-up steps", type=non_negative_int, run=True)
+    grad_clip: float = option(0.0, "max global gradient norm (0: off)", type=float, run=True)
+    ema_decay: float | None = option(None, "decay of the EMA of the weights", type=float, run=True)
+    ema_warmup: bool | None = option(None, "let the EMA's decay grow as (1 + step) / (10 + step) "
+                                     "up to --ema-decay, so that a short run's early samples come "
+                                     "from trained weights", action=BOOL, run=True)
+    run_dir: str | None = option(None, "checkpoints, metrics and samples; an existing run there "
+                                 "is resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
+    resume: str | None = option(None, "continue from this checkpoint file; without a file, from "
+                                "the newest in --run-dir, which must have one", nargs="?",
+                                const="latest")
+    log_every: int | None = option(None, "steps between records in metrics.jsonl",
+                                   type=positive_int)
+    ckpt_every: int | None = option(None, "steps between checkpoints", type=positive_int)
+    keep: int = option(3, "checkpoints kept (the newest is what a run resumes from)",
+                       type=positive_int)
+    keep_ema: tuple[int, ...] | None = option(None, "steps whose EMA weights stay in RUN/ema/ as "
+                                              "guides for autoguidance, comma-separated (default: "
+                                              "--ckpt-every times 1, 2, 4, 8, ...)", type=int_list,
+                                              metavar="STEPS")
+    time_limit: int | None = option(None, "stop with a checkpoint after this long, e.g. 8h30m, 90m "
+                                    "or 45s, before a notebook or job ends (as Ctrl-C and SIGTERM "
+                                    "do); the same command continues", type=duration,
+                                    metavar="DURATION",  # a TrainConfig's: seconds, or this text
+                                    text=lambda t: f"{t}s" if isinstance(t, int) else t)
+    unmask_at: int | None = option(None, "with --mask-ratio: train on every patch after this many "
+                                   "steps (a final phase; a resumed run may set or move it)",
+                                   type=non_negative_int, metavar="STEP")
+    sample_every: int | None = option(None, "steps between sample grids", type=positive_int)
+    val_images: int = option(0, "samples held out of training for the validation loss (0: none), "
+                             "the same in every run on a dataset", type=non_negative_int, run=True)
+    val_every: int | None = option(None, "steps between validation losses (default: "
+                                   "--sample-every)", type=positive_int)
+    sample_steps: int | None = option(None, f"sampling steps of the grids and FID {STEPS_DEFAULT}",
+                                      type=positive_int)
+    cfg_scale: float = option(GRID_CFG_SCALE, "guidance scale of the sample grids", type=float)
+    fid_every: int = option(0, "FID every N steps (0: never)", type=non_negative_int)
+    fid_samples: int = option(5000, "samples for --fid-every", type=positive_int)
+    final_fid: int | None = option(None, "samples of the final FID (0: none)",
+                                   type=non_negative_int)
+    fid_cfg_scale: float = option(FID_CFG_SCALE, "guidance scale of FID samples", type=float)
+    fid_guidance_interval: tuple[float, float] | None = option(
+        None, "guide FID samples only for timesteps in [T_LO, T_HI] (0..1000 scale)", type=float,
+        nargs=2, metavar=("T_LO", "T_HI"))
+    fid_guide: str | None = option(None, "autoguide FID samples by these weights (e.g. a guide that "
+                                   "`sample --fid` chose from RUN/ema/)")
+    fid_guide_scale: float = option(1.0, "autoguidance's weight for FID samples (1: none)",
+                                    type=float)
+    fid_ref: str | None = option(None, "reference batch or statistics .npz (imagenet100: "
+                                 "<data-dir>/fid_ref.npz, else fid_stats.npz)")
+    compile_cache: str | None = option(None, "JAX's persistent compilation cache, where a run that "
+                                       "starts again finds its programs compiled (default: "
+                                       "$JAX_COMPILATION_CACHE_DIR where set, else compile_cache "
+                                       "beside --run-dir)", metavar="DIR",
+                                       off="compile every program anew")
+    profile: str | None = option(None, f"write a jax.profiler trace of steps "
+                                 f"{PROFILE_STEPS.start + 1} to {PROFILE_STEPS.stop} of this "
+                                 f"process to DIR (TensorBoard or Perfetto opens it)", metavar="DIR")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SampleConfig(HostOptions, WeightOptions):
+    """sample from a checkpoint: a PNG grid, or --fid N samples and FID-N"""
+    ckpt: str = option(None, "training checkpoint .npz, exported .safetensors or official .pt",
+                       required=True)
+    cfg_scale: tuple[float, ...] | None = option(
+        None, f"classifier-free guidance scale (1: none; default {GRID_CFG_SCALE:g} for a grid, "
+        f"{FID_CFG_SCALE:g} for --fid); with --fid, comma-separated scales are each sampled and "
+        f"scored", type=float_list)
+    steps: int | None = option(None, f"sampling steps {STEPS_DEFAULT}", type=positive_int)
+    sampler: str | None = option(None, "; ".join(f"{name}: {' or '.join(o.METHODS)} (default "
+                                                 f"{o.default_method})"
+                                                 for name, o in OBJECTIVES.items()),
+                                 choices=sorted({m for o in OBJECTIVES.values() for m in o.METHODS}))
+    guidance_channels: str = option("all", "guide all channels, or the first 3 as the official FID "
+                                    "figures were computed", choices=["all", "3"])
+    guidance_interval: tuple[tuple[float, float], ...] | None = option(
+        None, "guide only for timesteps in [T_LO, T_HI] on the 0..1000 scale; with --fid, repeat "
+        "it to sample and score each interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
+        action="append")
+    guide: tuple[str, ...] | None = option(None, "autoguidance: weights of a weaker network of the "
+                                           "same data (an earlier EMA of the run, "
+                                           "RUN/ema/step_N.safetensors, or a smaller model); with "
+                                           "--fid, repeat it to sample and score each guide",
+                                           action="append")
+    guide_scale: tuple[float, ...] | None = option(None, "autoguidance's weight w: guide + w * "
+                                                   "(model - guide) (1: the model alone); with "
+                                                   "--fid, comma-separated weights are each "
+                                                   "sampled and scored", type=float_list)
+    internal_scale: tuple[float, ...] | None = option(
+        None, "internal guidance's weight w: internal + w * (final - internal), of a model trained "
+        "with --internal-guidance (1: the final layer alone); with --fid, comma-separated weights "
+        "are each sampled and scored", type=float_list)
+    n: int = option(16, "images in the grid", type=positive_int)
+    labels: tuple[int, ...] | None = option(None, "class labels of the grid (default: 0, 1, 2, "
+                                            "...)", type=int, nargs="*")
+    gif: str | None = option(None, "also write an animation of the sampling trajectory here")
+    fid: int = option(0, "draw this many samples (labels spread evenly) as .npz",
+                      type=non_negative_int)
+    ref: str | None = option(None, "reference .npz for the scores (with --fid): `fid.py ref`'s, "
+                             "OpenAI's reference batches, or FID statistics (`fid.py stats`)")
+    batch_size: int = option(64, "global batch of --fid", type=positive_int)
+    out: str | None = option(None, "output PNG (grid) or .npz (--fid)")
+    precision: str | None = option(None, "compute dtype of the model and the VAE (default: as for "
+                                   "training; fp32 gives the official numbers)",
+                                   choices=["bf16", "fp16", "fp32"])
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """write the EMA weights of a checkpoint as .safetensors"""
+    ckpt: str = option(None, "training checkpoint .npz", required=True)
+    out: str = option(None, "the .safetensors file to write", required=True)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig(ModelOptions):
+    """speed with random weights: training and forward images/s, ms/step, memory, MFU; FID-N end
+    to end"""
+    size: str = redefault(ModelOptions, "size", "S")
+    patch: int = redefault(ModelOptions, "patch", 2)
+    image_size: int = option(32, "input height and width (latents: 32 for 256x256 images)",
+                             type=positive_int)
+    channels: int = option(4, "input channels (latents: 4)", type=positive_int)
+    batch_size: int = option(256, "global batch of training, of the forward pass and of FID "
+                             "sampling", type=positive_int)
+    steps: int = option(10, "timed training steps and forward passes after the compiling one",
+                        type=positive_int)
+    fid: int = option(0, "also time FID-N end to end: sampling, SD VAE decoding, Inception",
+                      type=non_negative_int, metavar="N")
+    profile: str | None = option(None, "write jax.profiler traces of the timed steps to DIR/train, "
+                                 "DIR/forward and DIR/fid (TensorBoard or Perfetto opens them)",
+                                 metavar="DIR")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportConfig:
+    """runs side by side: their curves in curves.png, a table and their newest grids in report.md"""
+    runs: tuple[str, ...] = option(None, "run directories (train's --run-dir)", nargs="+",
+                                   metavar="RUN", positional=True)
+    out: str = option(None, "the folder to write curves.png and report.md in", required=True)
+    x: str = option("steps", "the curves' axis: training steps, or hours of training (the logged "
+                    "seconds of the steps; evaluations and checkpoints left out)",
+                    choices=["steps", "hours"])
+
+# The settings that define a run: resuming with different ones would silently train something else.
+RUN_DEFINING = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["run"])
+
+def run_settings(record):
+    """The entries of a run.json that define its run: RUN_DEFINING's, and those that no option
+    gives (the data's size and classes; the masking and terms that the options made)."""
+    return {k: v for k, v in record.items()
+            if k in RUN_DEFINING or k not in TrainConfig.__dataclass_fields__}
+
+def with_defaults(config):
+    """The run that `config` gives: the dataset's recipe (RECIPES) where it leaves a setting
+    open, then what follows from the others (intervals, the run directory, the model's switches)."""
+    c = dataclasses.replace(config, **{k: v for k, v in RECIPES[config.dataset].items()
+                                       if getattr(config, k) is None})
+    run_dir = c.run_dir or os.path.join("runs", f"{c.dataset}-DiT-{c.size}-{c.patch}")
+    cache = jax.config.jax_compilation_cache_dir or os.path.join(os.path.dirname(run_dir),
+                                                                 "compile_cache")
+    return dataclasses.replace(
+        c, run_dir=run_dir, compile_cache=cache if c.compile_cache is None else c.compile_cache,
+        val_every=c.val_every or c.sample_every,
+        keep_ema=c.keep_ema or tuple(c.ckpt_every * 2 ** k
+                                     for k in range((c.steps // c.ckpt_every).bit_length())),
+        sample_steps=c.sample_steps or OBJECTIVES[c.objective].default_steps,
+        **model_switches(c))
+
+# --- Command line --------------------------------------------------------------
+
+COMMANDS = {"train": TrainConfig, "sample": SampleConfig, "export": ExportConfig,
+            "bench": BenchConfig, "report": ReportConfig}
+
+def add_options(parser, config_class):
+    """One argument of `parser` for each field of `config_class`, as the field's metadata says."""
+    for f in dataclasses.fields(config_class):
+        words = {k: v for k, v in f.metadata.items() if k not in ("run", "off", "text")}
+        if words.pop("positional", False):
+            parser.add_argument(f.name, **words)
+            continue
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **words)
+        if "off" in f.metadata:  # --no-compile-cache: the empty value
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
+                                action="store_const", const="", help=f.metadata["off"])
+
+def build_parser():
+    recipes = argparse.RawDescriptionHelpFormatter
+    parser = OneLineParser(
+        prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
+        description="Train (the default command), sample, export and benchmark DiT models, and "
+                    "report on runs; `dit.py COMMAND --help` lists a command's options.")
+    sub = parser.add_subparsers(dest="command")
+    for name, config_class in COMMANDS.items():
+        train = name == "train"
+        add_options(sub.add_parser(name, help=config_class.__doc__,
+                                   formatter_class=recipes, epilog=recipes_table() if train
+                                   else None), config_class)
+    return parser
+
+def frozen(value):
+    """A parsed value as a configuration holds it: lists as tuples, so that it is hashable."""
+    return tuple(map(frozen, value)) if isinstance(value, list) else value
+
+def parse(argv):
+    """The configuration of a command line's words: TrainConfig where no command is named."""
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["train", *argv]
+    args = vars(build_parser().parse_args(argv))
+    return COMMANDS[args.pop("command")](**{k: frozen(v) for k, v in args.items()})
+
+def command_line(config):
+    """The words after `python dit.py` that give `config`, each setting off its default."""
+    name = next(k for k, cls in COMMANDS.items() if type(config) is cls)
+    words, last = [name], []
+    for f in dataclasses.fields(config):
+        value, flag = getattr(config, f.name), "--" + f.name.replace("_", "-")
+        if f.metadata.get("positional"):
+            last = [str(v) for v in value or ()]
+        elif value == f.default:
+            continue
+        elif isinstance(value, bool) and f.default is not True:
+            words.append(flag if value else "--no-" + flag[2:])
+        elif f.metadata.get("action") == "append":
+            for item in value:
+                words += [flag, *map(str, item if f.metadata.get("nargs") else [item])]
+        elif "nargs" in f.metadata and isinstance(value, (tuple, list)):
+            words += [flag, *map(str, value)]
+        elif isinstance(value, (tuple, list)):  # a comma-separated list
+            words.append(f"{flag}={','.join(map(str, value))}")
+        else:
+            words.append(f"{flag}={f.metadata.get('text', str)(value)}")
+    return words + last
+
+def checked(config):
+    """`config` as its command line reads it: a notebook's wrong type or value ends in the one
+    line that the command line's would."""
+    return parse(command_line(config))
+
+def start_devices(config, batch_size):
+    """`config` with its precision set, once JAX has its devices: a multi-host run's processes
+    joined, a CPU split for `batch_size` (split_cpu)."""
+    if isinstance(config, HostOptions):
+        setup_distributed(config)  # before anything else starts jax's backend
+    split_cpu(batch_size)
+    return dataclasses.replace(config, precision=config.precision or default_precision())
+
+def recipes_table():
+    """RECIPES as the text that --help shows."""
+    keys = list(RECIPES["mnist"])
+    rows = [["dataset", *keys]] + [[name, *(str(r[k]) for k in keys)]
+                                   for name, r in RECIPES.items()]
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "recipes (the defaults of each --dataset; any option overrides its value):\n  " + \
+        "\n  ".join(lines)
+
+def sample_command(config):
+    """`python dit.py sample`: a grid, or FID-N samples and scores for each guidance setting of
+    the sweep, all from the same noise; a run's scores join its metrics.jsonl for `report`."""
+    config = checked(config)
+    config = start_devices(config, config.batch_size if config.fid else config.n)
     mesh = make_mesh()
-    scales = args.cfg_scale or [FID_CFG_SCALE if args.fid else GRID_CFG_SCALE]
-    if bool(args.guide) != bool(args.guide_scale):
+    scales = config.cfg_scale or [FID_CFG_SCALE if config.fid else GRID_CFG_SCALE]
+    if bool(config.guide) != bool(config.guide_scale):
         raise InputError("--guide and --guide-scale go together: the guide's weights, and the "
                          "weight w of guide + w * (model - guide), e.g. 2 (1: the model alone)")
     # autoguidance's settings, (guide, weight); at weight 1 the model alone, whatever the guide
     guides = list(dict.fromkeys((None, 1.0) if w == 1 else (guide, w)
-                                for guide in args.guide or [None]
-                                for w in args.guide_scale or [1.0]))
-    names = [os.path.splitext(os.path.basename(g))[0] for g in dict.fromkeys(args.guide or [])]
+                                for guide in config.guide or [None]
+                                for w in config.guide_scale or [1.0]))
+    names = [os.path.splitext(os.path.basename(g))[0] for g in dict.fromkeys(config.guide or [])]
     if len(set(names)) < len(names):  # the samples' files and report's lines go by the name
         twice = next(n for n in names if names.count(n) > 1)
         raise InputError(f"--guide: two guides are named {twice}, and their samples would share "
                          f"a file; copy one under another name")
-    settings = list(itertools.product(scales, args.guidance_interval or [None], guides,
-                                      args.internal_scale or [1.0]))
-    if args.fid:
-        check_batch_size(args.batch_size)
-        if args.gif:
+    settings = list(itertools.product(scales, config.guidance_interval or [None], guides,
+                                      config.internal_scale or [1.0]))
+    if config.fid:
+        check_batch_size(config.batch_size)
+        if config.gif:
             raise InputError("--gif animates a grid; it does not go with --fid")
     elif len(settings) > 1:
         raise InputError("several --cfg-scale values, --guidance-interval ranges, guides or "
                          "--internal-scale weights are compared by their FID: give --fid N")
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     with on_every_host():  # each host reads its own copy of each
-        fid = fid_module() if args.fid and args.ref else None
-        reference = fid.load_reference(args.ref) if fid else None  # a bad file fails first
-        model, objective, meta = load_model(args.ckpt, compute_dtype(args.precision))
+        fid = fid_module() if config.fid and config.ref else None
+        reference = fid.load_reference(config.ref) if fid else None  # a bad file fails first
+        model, objective, meta = load_model(config.ckpt, compute_dtype(config.precision))
         cfg, latent_scale = model.cfg, meta.get("latent_scale")
-        vae = (load_decoder(args.vae, cfg.in_channels, vae_dtype(args.precision))
+        vae = (load_decoder(config.vae, cfg.in_channels, vae_dtype(config.precision))
                if latent_scale else None)
-        guide_models = {path: load_guide(path, cfg, objective, latent_scale, args.ckpt,
-                                         compute_dtype(args.precision))
+        guide_models = {path: load_guide(path, cfg, objective, latent_scale, config.ckpt,
+                                         compute_dtype(config.precision))
                         for path in dict.fromkeys(g for g, _ in guides if g)}
         if reference:
             say("loading the Inception network of the scores")
-        inception = fid.load_inception(args.inception) if reference else None
-    steps = args.steps or objective.default_steps
-    method = args.sampler or objective.default_method
-    say(f"{args.ckpt}: {count_params(model):,} parameters, input {cfg.input_size}x"
+        inception = fid.load_inception(config.inception) if reference else None
+    steps = config.steps or objective.default_steps
+    method = config.sampler or objective.default_method
+    say(f"{config.ckpt}: {count_params(model):,} parameters, input {cfg.input_size}x"
         f"{cfg.input_size}x{cfg.in_channels}, {objective.name}")
-    if args.sampler and args.sampler not in objective.METHODS:
-        raise InputError(f"--sampler {args.sampler} is not a sampler of this model's objective "
+    if config.sampler and config.sampler not in objective.METHODS:
+        raise InputError(f"--sampler {config.sampler} is not a sampler of this model's objective "
                          f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
     for scale in scales:
         with errors_named(f"--cfg-scale {scale:g}"):
             check_guidance(cfg, scale)
-    for w in args.internal_scale or []:
+    for w in config.internal_scale or []:
         with errors_named(f"--internal-scale {w:g}"):
             check_guidance(cfg, 1.0, w)
-    if args.labels and not all(0 <= label < cfg.num_classes for label in args.labels):
+    if config.labels and not all(0 <= label < cfg.num_classes for label in config.labels):
         raise InputError(f"--labels must lie in 0..{cfg.num_classes - 1}, the model's classes")
     shape = (cfg.input_size, cfg.input_size, cfg.in_channels)  # (H, W, C) of the model's input
     make_sampler = functools.partial(
         Sampler, nnx.graphdef(model), objective, mesh, steps=steps, method=method,
-        guidance_channels=3 if args.guidance_channels == "3" else None, vae=vae,
-        latent_scale=latent_scale, return_trajectory=bool(args.gif))
+        guidance_channels=3 if config.guidance_channels == "3" else None, vae=vae,
+        latent_scale=latent_scale, return_trajectory=bool(config.gif))
     # the weights on every device, once
     params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
 
@@ -3984,30 +4340,30 @@ def sample_command(args):
             text, suffix = text + f", internal guidance {internal:g}", suffix + f"_ig{internal:g}"
         return text, suffix
 
-    if not args.fid:
+    if not config.fid:
         sampler = sampler_of(*settings[0])
-        n = device_multiple(args.n)
-        labels = (np.resize(np.asarray(args.labels, np.int32), n) if args.labels
+        n = device_multiple(config.n)
+        labels = (np.resize(np.asarray(config.labels, np.int32), n) if config.labels
                   else spread_labels(n, cfg.num_classes))
-        noise = jax.random.normal(jax.random.key(args.seed), (n, *shape))
+        noise = jax.random.normal(jax.random.key(config.seed), (n, *shape))
         say(f"sampling {n} images ({method}, {steps} steps, {described(*settings[0])[0]})")
-        out = sampler(params, noise, jnp.asarray(labels), jax.random.key(args.seed + 1))
-        images, trajectory = out if args.gif else (out, None)
+        out = sampler(params, noise, jnp.asarray(labels), jax.random.key(config.seed + 1))
+        images, trajectory = out if config.gif else (out, None)
         if jax.process_index() != 0:
             return
-        out_path = args.out or "samples.png"
-        grid = save_grid(images[:args.n], out_path)
-        print(f"{args.n} samples -> {out_path} ({sampler.seconds['sample']:.1f} s)")
-        if args.gif:
-            grids = [make_grid(frame[:args.n]) for frame in trajectory]
+        out_path = config.out or "samples.png"
+        grid = save_grid(images[:config.n], out_path)
+        print(f"{config.n} samples -> {out_path} ({sampler.seconds['sample']:.1f} s)")
+        if config.gif:
+            grids = [make_grid(frame[:config.n]) for frame in trajectory]
             # hold the final grid for a while before the animation loops
-            grids[0].save(args.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20,
+            grids[0].save(config.gif, save_all=True, append_images=grids[1:] + [grids[-1]] * 20,
                           duration=60, loop=0)
-            print(f"trajectory -> {args.gif}")
+            print(f"trajectory -> {config.gif}")
         return grid
     # the run that the weights are a step of, whose metrics the scores join
-    run_dir = run_of(args.ckpt) if isinstance(meta.get("step"), int) else None
-    root, ext = os.path.splitext(args.out or "samples.npz")
+    run_dir = run_of(config.ckpt) if isinstance(meta.get("step"), int) else None
+    root, ext = os.path.splitext(config.out or "samples.npz")
     scores = {}
     for scale, interval, (guide, w), internal in settings:
         setting, suffix = described(scale, interval, (guide, w), internal)
@@ -4018,17 +4374,17 @@ def sample_command(args):
                 write_atomically(out, lambda f: np.savez(f, arr_0=images, labels=labels))
                 print(f"{len(images)} samples ({setting}) -> {out}")
             if reference:
-                say(f"scoring them against {args.ref}")
-        say(f"sampling {args.fid} images ({method}, {steps} steps, {setting})")
+                say(f"scoring them against {config.ref}")
+        say(f"sampling {config.fid} images ({method}, {steps} steps, {setting})")
         *_, result = sample_and_score(sampler_of(scale, interval, (guide, w), internal), params,
-                                      args.fid, args.batch_size, shape, cfg.num_classes,
-                                      args.seed, inception, reference, save)
+                                      config.fid, config.batch_size, shape, cfg.num_classes,
+                                      config.seed, inception, reference, save)
         if result:
             print(f"{setting}: {fid.describe(result)}")
             scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
             if run_dir and jax.process_index() == 0:
                 record = {"step": meta["step"], "cfg_scale": scale, "guidance_interval": interval,
-                          "guidance_channels": args.guidance_channels, "guide": guide,
+                          "guidance_channels": config.guidance_channels, "guide": guide,
                           "guide_step": guide_models[guide][1].get("step") if guide else None,
                           "guide_scale": w, "internal_scale": internal, "sampler": method,
                           "sample_steps": steps,
@@ -4040,259 +4396,18 @@ def sample_command(args):
             f"them)")
     return scores  # what a notebook shows: the scores of each setting, not the features
 
-def recipes_table():
-    """RECIPES as the text that --help shows."""
-    keys = list(RECIPES["mnist"])
-    rows = [["dataset", *keys]] + [[name, *(str(r[k]) for k in keys)]
-                                   for name, r in RECIPES.items()]
-    widths = [max(map(len, column)) for column in zip(*rows)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    return "recipes (the defaults of each --dataset; any option overrides its value):\n  " + \
-        "\n  ".join(lines)
-
-def model_options(size=None, patch=None):
-    """The options of the model that train and bench build, with each command's defaults."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--size", default=size, choices=list(DIT_SIZES),
-                   help="model size, Table 1 of the paper (T and D: small sizes for CPU demos)")
-    p.add_argument("--patch", type=int, default=patch, choices=[2, 4, 8],
-                   help="patch size p: the model sees (H/p)^2 tokens")
-    p.add_argument("--arch", default="dit", choices=list(ARCHS),
-                   help="dit: the paper's; dit+: with the changes of the README's ablation")
-    for name, what in [("qk-norm", "RMSNorm on queries and keys"),
-                       ("rms-norm", "RMSNorm instead of LayerNorm"),
-                       ("swiglu", "a SwiGLU feed-forward layer"),
-                       ("rope", "2-D rotary position embeddings")]:
-        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
-                       help=f"{what} (default: as --arch says), for ablations")
-    p.add_argument("--objective", default="rf", choices=list(OBJECTIVES), help="rectified flow; "
-                   "DiT's DDPM with learned variance (the paper's); or EDM (Karras et al. 2022)")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
-                   help="compute dtype; parameters and optimizer state stay fp32 (default: bf16 on "
-                   "TPUs and NVIDIA GPUs from Ampere on, fp16 on older GPUs, fp32 on CPUs)")
-    p.add_argument("--remat", nargs="?", const="dots", choices=list(REMAT_POLICIES),
-                   help="recompute activations in the backward pass: dots (without a value) keeps "
-                   "the matrix products' outputs, full only each block's input")
-    p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state")
-    p.add_argument("--mask-ratio", type=float, default=0.0, metavar="R",
-                   help="deferred masking (MicroDiT): train the blocks after the mixer on a random "
-                   "1 - R of each image's patches (0: every patch); sampling sees every patch")
-    p.add_argument("--mixer-depth", type=non_negative_int, default=2, metavar="N",
-                   help="with --mask-ratio: the first N blocks see every patch (default: 2)")
-    # The auxiliary terms of section 12, each on its own switch; blocks count from 1.
-    p.add_argument("--dispersive", action="store_true", help="dispersive loss on a block's tokens")
-    p.add_argument("--dispersive-block", type=positive_int, metavar="K",
-                   help="its block (default: the last)")
-    p.add_argument("--dispersive-weight", type=positive_float, default=0.5, metavar="W")
-    p.add_argument("--dispersive-temperature", type=positive_float, default=1.0, metavar="TAU")
-    p.add_argument("--sra", action="store_true", help="self-representation alignment: a block "
-                   "aligned through a projection head to a later block of the EMA weights")
-    p.add_argument("--sra-blocks", type=positive_int, nargs=2, metavar=("STUDENT", "TEACHER"),
-                   help="its blocks (default: a third and two thirds of the depth, 4 8 on DiT-S)")
-    p.add_argument("--sra-offset", type=positive_float, default=0.2, metavar="DT",
-                   help="the teacher's noise level is lower by up to this (uniform per sample)")
-    p.add_argument("--sra-weight", type=positive_float, default=0.5, metavar="W")
-    p.add_argument("--internal-guidance", action="store_true", help="an output head after an "
-                   "intermediate block, trained with the model, for `sample --internal-scale`")
-    p.add_argument("--internal-block", type=positive_int, metavar="K",
-                   help="its block (default: 8 of 28 scaled to the depth, 3 on DiT-S)")
-    p.add_argument("--internal-weight", type=positive_float, default=0.5, metavar="W")
-    return p
-
-def build_parser():
-    steps_default = "(default: " + ", ".join(f"{name} {objective.default_steps}"
-                                             for name, objective in OBJECTIVES.items()) + ")"
-    # Options of the commands that load weights and may run on several hosts.
-    hosts = argparse.ArgumentParser(add_help=False)
-    hosts.add_argument("--coordinator", help="address:port of process 0, for multi-host runs that "
-                       "no launcher (SLURM, Open MPI, TPU pod) set up")
-    hosts.add_argument("--num-processes", type=positive_int, help="processes of a multi-host run")
-    hosts.add_argument("--process-id", type=non_negative_int, help="this process's index, from 0")
-    weights = argparse.ArgumentParser(add_help=False)
-    weights.add_argument("--vae", default="ema", help="VAE of latent models: ema, mse (downloaded "
-                         "when missing), or a local diffusers folder or weight file")
-    weights.add_argument("--inception", help="pytorch-fid Inception weights for FID (downloaded "
-                         "when missing)")
-    weights.add_argument("--seed", type=int, default=0, help="seed of every random number")
-    recipes = argparse.RawDescriptionHelpFormatter
-
-    parser = OneLineParser(
-        prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
-        description="Train (the default command), sample, export and benchmark DiT models, and "
-                    "report on runs; `dit.py COMMAND --help` lists a command's options.")
-    sub = parser.add_subparsers(dest="command")
-    t = sub.add_parser("train", help="train a DiT (the default command)", formatter_class=recipes,
-                       epilog=recipes_table(), parents=[model_options(), weights, hosts])
-    t.add_argument("--dataset", choices=["mnist", "cifar10", "imagenet100", "folder"],
-                   default="mnist", help="what to train on; its recipe (below) gives the defaults")
-    t.add_argument("--data-dir", help="where the dataset is (downloaded there when missing, for "
-                   "mnist and cifar10)")
-    t.add_argument("--resolution", type=positive_int, help="centre-crop size for --dataset folder")
-    t.add_argument("--timestep-sampling", choices=["logit_normal", "uniform"],
-                   default="logit_normal", help="distribution of rectified flow's training times")
-    t.add_argument("--ln-loc", type=float, default=0.0, help="mean of the logit-normal timesteps")
-    t.add_argument("--ln-scale", type=positive_float, default=1.0,
-                   help="scale of the logit-normal timesteps")
-    t.add_argument("--batch-size", type=positive_int, help="batch over all devices and hosts")
-    t.add_argument("--steps", type=positive_int, help="training steps")
-    t.add_argument("--lr", type=float, help="AdamW learning rate")
-    t.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999], metavar=("B1", "B2"),
-                   help="AdamW's moment decays")
-    t.add_argument("--warmup", type=non_negative_int, default=0, help="linear LR warm-up steps")
-    t.add_argument("--grad-clip", type=float, default=0.0, help="max global gradient norm (0: off)")
-    t.add_argument("--ema-decay", type=float, help="decay of the EMA of the weights")
-    t.add_argument("--ema-warmup", action=argparse.BooleanOptionalAction,
-                   help="let the EMA's decay grow as (1 + step) / (10 + step) up to --ema-decay, "
-                   "so that a short run's early samples come from trained weights")
-    t.add_argument("--run-dir", help="checkpoints, metrics and samples; an existing run there is "
-                   "resumed (default: runs/<dataset>-DiT-<size>-<patch>)")
-    t.add_argument("--resume", nargs="?", const="latest", help="continue from this checkpoint "
-                   "file; without a file, from the newest in --run-dir, which must have one")
-    t.add_argument("--log-every", type=positive_int, help="steps between records in metrics.jsonl")
-    t.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
-    t.add_argument("--keep", type=positive_int, default=3,
-                   help="checkpoints kept (the newest is what a run resumes from)")
-    t.add_argument("--keep-ema", type=int_list, metavar="STEPS", help="steps whose EMA weights "
-                   "stay in RUN/ema/ as guides for autoguidance, comma-separated (default: "
-                   "--ckpt-every times 1, 2, 4, 8, ...)")
-    t.add_argument("--time-limit", type=duration, metavar="DURATION",
-                   help="stop with a checkpoint after this long, e.g. 8h30m, 90m or 45s, before a "
-                   "notebook or job ends (as Ctrl-C and SIGTERM do); the same command continues")
-    t.add_argument("--unmask-at", type=non_negative_int, metavar="STEP",
-                   help="with --mask-ratio: train on every patch after this many steps (a final "
-                   "phase; a resumed run may set or move it)")
-    t.add_argument("--sample-every", type=positive_int, help="steps between sample grids")
-    t.add_argument("--val-images", type=non_negative_int, default=0, help="samples held out of "
-                   "training for the validation loss (0: none), the same in every run on a dataset")
-    t.add_argument("--val-every", type=positive_int, help="steps between validation losses "
-                   "(default: --sample-every)")
-    t.add_argument("--sample-steps", type=positive_int,
-                   help=f"sampling steps of the grids and FID {steps_default}")
-    t.add_argument("--cfg-scale", type=float, default=GRID_CFG_SCALE,
-                   help="guidance scale of the sample grids")
-    t.add_argument("--fid-every", type=non_negative_int, default=0,
-                   help="FID every N steps (0: never)")
-    t.add_argument("--fid-samples", type=positive_int, default=5000, help="samples for --fid-every")
-    t.add_argument("--final-fid", type=non_negative_int, help="samples of the final FID (0: none)")
-    t.add_argument("--fid-cfg-scale", type=float, default=FID_CFG_SCALE,
-                   help="guidance scale of FID samples")
-    t.add_argument("--fid-guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
-                   help="guide FID samples only for timesteps in [T_LO, T_HI] (0..1000 scale)")
-    t.add_argument("--fid-guide", help="autoguide FID samples by these weights (e.g. a guide "
-                   "that `sample --fid` chose from RUN/ema/)")
-    t.add_argument("--fid-guide-scale", type=float, default=1.0,
-                   help="autoguidance's weight for FID samples (1: none)")
-    t.add_argument("--fid-ref", help="reference batch or statistics .npz (imagenet100: "
-                   "<data-dir>/fid_ref.npz, else fid_stats.npz)")
-    t.add_argument("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache, "
-                   "where a run that starts again finds its programs compiled (default: "
-                   "$JAX_COMPILATION_CACHE_DIR where set, else compile_cache beside --run-dir)")
-    t.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const="",
-                   help="compile every program anew")
-    t.add_argument("--profile", metavar="DIR", help=f"write a jax.profiler trace of steps "
-                   f"{PROFILE_STEPS.start + 1} to {PROFILE_STEPS.stop} of this process to DIR "
-                   f"(TensorBoard or Perfetto opens it)")
-
-    s = sub.add_parser("sample", parents=[weights, hosts],
-                       help="sample from a checkpoint: a PNG grid, or --fid N samples and FID-N")
-    s.add_argument("--ckpt", required=True,
-                   help="training checkpoint .npz, exported .safetensors or official .pt")
-    s.add_argument("--cfg-scale", type=float_list, help=f"classifier-free guidance scale (1: none; "
-                   f"default {GRID_CFG_SCALE:g} for a grid, {FID_CFG_SCALE:g} for --fid); with "
-                   f"--fid, comma-separated scales are each sampled and scored")
-    s.add_argument("--steps", type=positive_int, help=f"sampling steps {steps_default}")
-    s.add_argument("--sampler", choices=sorted({m for o in OBJECTIVES.values() for m in o.METHODS}),
-                   help="; ".join(f"{name}: {' or '.join(o.METHODS)} (default {o.default_method})"
-                                  for name, o in OBJECTIVES.items()))
-    s.add_argument("--guidance-channels", default="all", choices=["all", "3"], help="guide all "
-                   "channels, or the first 3 as the official FID figures were computed")
-    s.add_argument("--guidance-interval", type=float, nargs=2, metavar=("T_LO", "T_HI"),
-                   action="append", help="guide only for timesteps in [T_LO, T_HI] on the 0..1000 "
-                   "scale; with --fid, repeat it to sample and score each interval")
-    s.add_argument("--guide", action="append", help="autoguidance: weights of a weaker network "
-                   "of the same data (an earlier EMA of the run, RUN/ema/step_N.safetensors, or a "
-                   "smaller model); with --fid, repeat it to sample and score each guide")
-    s.add_argument("--guide-scale", type=float_list, help="autoguidance's weight w: guide + w * "
-                   "(model - guide) (1: the model alone); with --fid, comma-separated weights are "
-                   "each sampled and scored")
-    s.add_argument("--internal-scale", type=float_list, help="internal guidance's weight w: "
-                   "internal + w * (final - internal), of a model trained with --internal-guidance "
-                   "(1: the final layer alone); with --fid, comma-separated weights are each "
-                   "sampled and scored")
-    s.add_argument("--n", type=positive_int, default=16, help="images in the grid")
-    s.add_argument("--labels", type=int, nargs="*",
-                   help="class labels of the grid (default: 0, 1, 2, ...)")
-    s.add_argument("--gif", help="also write an animation of the sampling trajectory here")
-    s.add_argument("--fid", type=non_negative_int, default=0,
-                   help="draw this many samples (labels spread evenly) as .npz")
-    s.add_argument("--ref", help="reference .npz for the scores (with --fid): `fid.py ref`'s, "
-                   "OpenAI's reference batches, or FID statistics (`fid.py stats`)")
-    s.add_argument("--batch-size", type=positive_int, default=64, help="global batch of --fid")
-    s.add_argument("--out", help="output PNG (grid) or .npz (--fid)")
-    s.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="compute dtype of the "
-                   "model and the VAE (default: as for training; fp32 gives the official numbers)")
-
-    e = sub.add_parser("export", help="write the EMA weights of a checkpoint as .safetensors")
-    e.add_argument("--ckpt", required=True, help="training checkpoint .npz")
-    e.add_argument("--out", required=True, help="the .safetensors file to write")
-
-    b = sub.add_parser("bench", parents=[model_options("S", 2)], help="speed with random weights: "
-                       "training and forward images/s, ms/step, memory, MFU; FID-N end to end")
-    b.add_argument("--image-size", type=positive_int, default=32,
-                   help="input height and width (latents: 32 for 256x256 images)")
-    b.add_argument("--channels", type=positive_int, default=4, help="input channels (latents: 4)")
-    b.add_argument("--batch-size", type=positive_int, default=256,
-                   help="global batch of training, of the forward pass and of FID sampling")
-    b.add_argument("--steps", type=positive_int, default=10,
-                   help="timed training steps and forward passes after the compiling one")
-    b.add_argument("--fid", type=non_negative_int, default=0, metavar="N",
-                   help="also time FID-N end to end: sampling, SD VAE decoding, Inception")
-    b.add_argument("--profile", metavar="DIR", help="write jax.profiler traces of the timed steps "
-                   "to DIR/train, DIR/forward and DIR/fid (TensorBoard or Perfetto opens them)")
-
-    r = sub.add_parser("report", help="runs side by side: their curves in curves.png, a table "
-                       "and their newest grids in report.md")
-    r.add_argument("runs", nargs="+", metavar="RUN", help="run directories (train's --run-dir)")
-    r.add_argument("--out", required=True, help="the folder to write curves.png and report.md in")
-    r.add_argument("--x", choices=["steps", "hours"], default="steps", help="the curves' axis: "
-                   "training steps, or hours of training (the logged seconds of the steps; "
-                   "evaluations and checkpoints left out)")
-    return parser
+def export(config):
+    """`python dit.py export`."""
+    out = export_ema(config.ckpt, config.out)
+    print("EMA weights:", out)
+    return out
 
 def main(argv=None):
     """The command line, also callable from a notebook: main(["--dataset", "mnist"])."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("train", "sample", "export", "bench", "report", "-h", "--help"):
-        argv = ["train", *argv]
-    args = build_parser().parse_args(argv)
-    if args.command in ("train", "sample"):
-        setup_distributed(args)  # before anything else starts jax's backend
-    if args.command == "train":
-        vars(args).update({k: v for k, v in RECIPES[args.dataset].items()
-                           if getattr(args, k) is None})
-    if args.command in ("train", "sample", "bench"):
-        split_cpu(args.n if args.command == "sample" and not args.fid else args.batch_size)
-        args.precision = args.precision or default_precision()
-    if args.command == "sample":
-        return sample_command(args)
-    if args.command == "export":
-        out = export_ema(args.ckpt, args.out)
-        print("EMA weights:", out)
-        return out
-    if args.command == "bench":
-        return bench(args)
-    if args.command == "report":
-        return report(args.runs, args.out, args.x)
-    args.val_every = args.val_every or args.sample_every
-    args.keep_ema = args.keep_ema or [args.ckpt_every * 2 ** k for k in
-                                      range((args.steps // args.ckpt_every).bit_length())]
-    args.sample_steps = args.sample_steps or OBJECTIVES[args.objective].default_steps
-    args.run_dir = (args.run_dir
-                    or os.path.join("runs", f"{args.dataset}-DiT-{args.size}-{args.patch}"))
-    if args.compile_cache is None:
-        args.compile_cache = (jax.config.jax_compilation_cache_dir
-                              or os.path.join(os.path.dirname(args.run_dir), "compile_cache"))
-    return train(args)
+    config = parse(list(sys.argv[1:] if argv is None else argv))
+    run = {TrainConfig: train, SampleConfig: sample_command, ExportConfig: export,
+           BenchConfig: bench, ReportConfig: lambda c: report(c.runs, c.out, c.x)}[type(config)]
+    return run(config)
 
 #################################################################################
 #                                                                               #

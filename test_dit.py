@@ -10,6 +10,7 @@ things. Tests on real images read $DIT_DATA when it is set, else the few real im
 fixtures/data/. A missing file fails its test.
 Run: python -m pytest -q test_dit.py
 """
+import argparse
 import ast
 import atexit
 import base64
@@ -27,6 +28,7 @@ import pickle
 import queue
 import re
 import shutil
+import shlex
 import signal
 import socket
 import struct
@@ -2355,6 +2357,7 @@ dit.save_checkpoint = save_then_die
 
 # Kills the process in the middle of writing the checkpoint of step 6: half of it is on disk.
 KILL_WHILE_WRITING = """
+import shlex
 import signal
 import numpy as np
 import optax
@@ -2619,6 +2622,7 @@ def test_split_cpu_gives_each_core_a_device_and_a_share_of_the_batch(cores, batc
 # prepares the second batch of the run: it arrives during the first step or the wait for the
 # second, and before the second step's batch reaches the training loop.
 SIGNAL_AT_SECOND_BATCH = """
+import shlex
 import signal
 import jax
 batch = dit.Loader.batch
@@ -3938,6 +3942,84 @@ def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, str
     np.testing.assert_array_equal(load("default.npz"), load("sweep_cfg1.5.npz"))
     assert (load("sweep_cfg4.npz") != load("default.npz")).any()
 
+def test_parser_built_from_the_configuration_keeps_every_option_and_default():
+    """Each command's options and defaults as the release before the configuration dataclasses
+    parsed them (fixtures/options_before.json, written by fixtures/options_before.py) are all
+    still there, with the same defaults; each option comes from one field of its command's
+    configuration."""
+    with open(fixture("options_before.json")) as f:
+        before = json.load(f)
+    commands = next(a for a in dit.build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(before) == set(commands) == set(dit.COMMANDS)
+    for name, options in before.items():
+        now = {flag: action.default for action in commands[name]._actions
+               for flag in action.option_strings if flag not in ("-h", "--help")}
+        assert set(options) <= set(now), (name, set(options) - set(now))
+        assert {k: json.loads(json.dumps(now[k])) for k in options} == options, name
+        fields = {f.name for f in dataclasses.fields(dit.COMMANDS[name])}
+        assert {a.dest for a in commands[name]._actions if a.dest != "help"} == fields, name
+
+def readme_commands():
+    """The words after `dit.py` of each `python dit.py ...` command in the README: continued lines
+    and inline code joined, a shell variable's command (S="python dit.py ...") where it is used
+    ($S --ckpt ...), comments, redirections and quotes cut; but for those elided with `...` and --help."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        parts = f.read().replace("\\\n", " ").split("```")
+    # prose (the even parts) with each inline `code` on one line; code blocks as they are
+    text = "```".join(re.sub(r"`[^`]*`", lambda m: m[0].replace("\n", " "), part) if i % 2 == 0
+                      else part for i, part in enumerate(parts))
+    for name, command in re.findall(r'(\w+)="(python3? dit\.py[^"]*)"', text):
+        text = text.replace(f'{name}="{command}"', "").replace("$" + name, command)
+    commands = []
+    for match in re.finditer(r"python3? dit\.py\b([^`\n]*)", text):
+        words = shlex.split(re.split(r"\s#|\s[|>;&]|&&|\$\(|\"", match[1])[0])
+        if "..." not in words and "--help" not in words:
+            commands.append(words)
+    return commands
+
+def test_every_readme_command_parses():
+    """Every dit.py command that the README gives parses into its command's configuration."""
+    commands = readme_commands()
+    assert len(commands) >= 30
+    for words in commands:
+        config = dit.parse(words)
+        assert dataclasses.is_dataclass(config) and type(config) in dit.COMMANDS.values(), words
+        assert dit.checked(config) == config, words
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(steps=0), "argument --steps: expected a whole number of at least 1, got '0'"),
+    (dict(size="Q"), "argument --size: invalid choice: 'Q'"),
+    (dict(lr="fast"), "argument --lr: invalid float value: 'fast'"),
+    (dict(seed=None), "argument --seed: invalid int value: 'None'")])
+def test_a_configuration_with_a_wrong_value_ends_in_the_command_lines_one_line(setting, message):
+    """dit.train(dit.TrainConfig(...)) in a notebook refuses what the command line refuses, in
+    the same line, before anything starts."""
+    with pytest.raises(dit.InputError, match=re.escape(message)) as e:
+        dit.train(dit.TrainConfig(**setting))
+    assert "\n" not in dit.one_line(e.value)
+
+def test_docstrings_are_short():
+    """The docstrings of dit.py (all but the module's) say what and why in few words; history and
+    figures live in the README."""
+    tree = ast.parse(open(os.path.join(HERE, "dit.py")).read())
+    words = sum(len(ast.get_docstring(node, clean=False).split()) for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and ast.get_docstring(node))
+    print(f"dit.py's docstrings: {words} words")
+    assert words <= 4000
+
+def test_section_1_defines_no_error_handling():
+    """The book opens with the model's configuration: the one-line errors, their IPython hook and
+    the version check stand in the command line's section."""
+    text = open(os.path.join(HERE, "dit.py")).read()
+    banner = lambda title: re.search(rf"^#\s+{title}.*#$", text, re.M).start()  # noqa: E731
+    first = text[banner(r"1\. Configuration"):banner(r"2\. Embeddings")]
+    assert "class DiTConfig" in first and "DIT_SIZES" in first
+    for word in ("try:", "except", "one_line", "_render_traceback_", "check_versions",
+                 "SystemExit"):
+        assert word not in first, word
+
 #################################################################################
 #                  Notebooks: dit.py and fid.py in a real kernel                #
 #################################################################################
@@ -4150,6 +4232,34 @@ def test_notebook_imported(tmp_path, folder_data):
         assert status == "error" and "Traceback" in dict(out)["error"], out
     finally:
         k.close()
+
+@slow
+def test_notebook_trains_by_its_configuration_as_by_the_command_line(tmp_path, folder_data):
+    """In a notebook, dit.train(dit.TrainConfig(...)) trains what dit.main([...]) trains, to the
+    same checkpoint bit for bit; run.json holds the configuration, which reads back as the one the
+    run used."""
+    setting = dict(dataset="folder", data_dir=folder_data, resolution=8, size="XS", patch=2,
+                   batch_size=8, steps=2, log_every=1, ckpt_every=3, sample_every=1000,
+                   sample_steps=2, final_fid=0, run_dir=str(tmp_path / "config"), lr=1e-3,
+                   ema_decay=0.9)
+    k = Kernel(HERE)
+    try:
+        status, out = k.run(f"import dit, json\ndit.{TINY}\n"
+                            f"run = dit.train(dit.TrainConfig(**{setting!r}))\n"
+                            f"dit.main({train_args(folder_data, tmp_path / 'cli', 2)!r})\n"
+                            f"record = json.load(open(run.run_dir + '/run.json'))\n"
+                            f"run.config == dit.TrainConfig(**{{k: dit.frozen(v) for k, v in "
+                            f"record.items() if k in dit.TrainConfig.__dataclass_fields__}})")
+        assert status == "ok" and dict(out)["text/plain"] == "True", out
+    finally:
+        k.close()
+    (_, by_config), (_, by_main) = final_state(tmp_path / "config"), final_state(tmp_path / "cli")
+    assert by_config.keys() == by_main.keys()
+    for name in by_config:
+        np.testing.assert_array_equal(by_config[name], by_main[name], err_msg=name)
+    records = [json.loads((tmp_path / d / "run.json").read_text()) for d in ("config", "cli")]
+    assert [{k: v for k, v in r.items() if k != "run_dir"} for r in records][0] == \
+        {k: v for k, v in records[1].items() if k != "run_dir"}
 
 #################################################################################
 #                                                                               #
