@@ -173,19 +173,15 @@ normal02 = nnx.initializers.normal(0.02)
 zeros = nnx.initializers.zeros_init()
 
 def timestep_embedding(t, dim, max_period=10000):
-    """Sinusoidal features of (possibly fractional) timesteps t (B,) -> (B, dim), as in the official
-    code (cosines first, then sines; frequencies falling geometrically from 1 to 1/max_period)."""
+    """Sinusoidal features (B, dim) of timesteps t (B,), cosines first, as the official code."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = t.astype(jnp.float32)[:, None] * freqs[None]
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 def sincos_pos_embed_2d(dim, grid):
-    """Fixed 2-D sine-cosine position table (T, dim) of grid x grid patches, T = grid**2, row-major.
-
-    Half of the channels encode the column, first, as the official meshgrid orders it, and half the
-    row (MAE's get_2d_sincos_pos_embed, which DiT uses). float64 numpy, as the official table is
-    built, so that it is a constant of the compiled program."""
+    """The fixed 2-D sin-cos position table (grid**2, dim), as MAE's; float64 numpy, a constant when
+    compiled."""
     def embed_1d(d, pos):
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         out = np.outer(pos.reshape(-1), omega)  # (T, d/2)
@@ -207,8 +203,8 @@ class TimestepEmbedder(nnx.Module):
         return self.mlp(timestep_embedding(t, self.freq_size))
 
 class LabelEmbedder(nnx.Module):
-    """Embeds class labels. With dropout_prob > 0 an extra row, the null label `num_classes`, means
-    "no class": training drops labels to it at random, as classifier-free guidance needs."""
+    """Embeds class labels; with dropout_prob > 0, training drops some to the null label
+    `num_classes`, for guidance."""
 
     def __init__(self, num_classes, hidden_size, dropout_prob, *, rngs):
         self.num_classes, self.dropout_prob = num_classes, dropout_prob
@@ -231,22 +227,21 @@ def modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 def layer_norm(x, eps=1e-6):
-    """LayerNorm without learnable affine parameters (adaLN supplies scale and shift), in float32
-    whatever the compute dtype: bfloat16 variances lose too much precision."""
+    """LayerNorm without affine parameters, in float32: bfloat16 variances lose too much
+    precision."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 def adaln_zero(dim, n, *, dtype, rngs):
-    """SiLU and a zero-initialised linear map from the conditioning c (B, D) to n vectors (B, n*D)
-    of shifts, scales and gates: adaLN-Zero."""
+    """adaLN-Zero: SiLU, then a zero-initialised map from c (B, D) to n shifts, scales and gates
+    (B, n*D)."""
     return nnx.Sequential(nnx.silu, nnx.Linear(dim, n * dim, kernel_init=zeros, dtype=dtype,
                                                rngs=rngs))
 
 class PatchEmbed(nnx.Module):
-    """Patchify (Sec. 3.2, Fig. 4): each non-overlapping p x p patch becomes one token, by a linear
-    map that a p x p convolution with stride p computes."""
+    """Patchify (Sec. 3.2): each p x p patch becomes a token, by a stride-p convolution."""
 
     def __init__(self, in_channels, hidden_size, patch_size, *, dtype, rngs):
         # Xavier over the flattened patch, as the official code initialises the weight's 2-D view.
@@ -292,11 +287,8 @@ class Mlp(nnx.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 class DiTBlock(nnx.Module):
-    """A DiT block with adaLN-Zero conditioning (Sec. 3.2, Fig. 3).
-
-    From the conditioning vector c the block regresses a shift, a scale and a gate for both the
-    attention and the MLP branch. The regression starts at zero, so every block starts as the
-    identity, which the paper found best among the conditioning schemes it tried (Fig. 5)."""
+    """A DiT block with adaLN-Zero (Sec. 3.2; best in Fig. 5): shifts, scales and gates from c, zero
+    at first: each block starts as the identity."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, rngs):
         self.norm = self.normalisation(cfg)
@@ -336,10 +328,8 @@ class FinalLayer(nnx.Module):
         return self.linear(modulate(self.norm(x), shift, scale))
 
 class DiT(nnx.Module):
-    """Diffusion Transformer: the noised input (B, H, W, C), its timestep (B,) and its class label
-    (B,) in, the objective's target out, (B, H, W, C_out): the velocity under rectified flow, the
-    noise (and the variance values, when learn_sigma) under DDPM. `dtype` is the compute dtype
-    (bfloat16 or float16 for mixed precision); parameters stay float32."""
+    """DiT: x (B, H, W, C), t (B,), y (B,) -> the objective's target (B, H, W, C_out), in `dtype`;
+    parameters float32."""
     Block = DiTBlock  # DiTPlus (Part II) builds DiT+'s in its place
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, **block_options):
@@ -354,15 +344,12 @@ class DiT(nnx.Module):
         self.final_layer = FinalLayer(cfg, self.Block.normalisation(cfg), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, t, y, drop_key=None):
-        """x (B, H, W, C), t (B,) timesteps on the 0..1000 scale, y (B,) labels (ignored when the
-        model is unconditional). `drop_key` turns on the random label dropout of training."""
+        """t on the 0..1000 scale; `drop_key` turns on training's label dropout."""
         return self.forward(x, t, y, drop_key)[0]
 
     def forward(self, x, t, y, drop_key=None, taps=(), keep=None, mix=0):
-        """(the prediction (B, H, W, C_out), the intermediates: "c" (B, D) and "block{k}", the
-        tokens (B, T, D) after each block k in `taps`, counted from 1), for what trains or guides
-        with them (Part II). With `keep` (B, T_keep), deferred masking's kept patches (Part II): the
-        blocks after the first `mix` see only those, and the prediction is zero at the others."""
+        """(the prediction, {"c": c, "block{k}": the tokens after block k of `taps`}); with `keep`
+        (B, T_keep), blocks after `mix` see only those patches, the prediction elsewhere zero."""
         x, c = self.embed(x, t, y, drop_key)                         # (B, T, D), (B, D)
         hidden, positions = {"c": c}, None
         for k, block in enumerate(self.blocks, 1):
@@ -374,7 +361,7 @@ class DiT(nnx.Module):
         return self.unpatchify(self.final_layer(x, c), keep), hidden  # (B, H, W, C_out)
 
     def embed(self, x, t, y, drop_key=None):
-        """Fig. 3's inputs to the blocks: tokens plus positions (B, T, D), c (B, D) from t and y."""
+        """Fig. 3's tokens plus positions (B, T, D) and c (B, D) from t and y."""
         x = self.x_embedder(x.astype(self.dtype))                    # (B, T, D)
         x = x + jnp.asarray(sincos_pos_embed_2d(self.cfg.hidden_size, self.cfg.grid), self.dtype)
         c = self.t_embedder(t)                                       # (B, D)
@@ -383,8 +370,8 @@ class DiT(nnx.Module):
         return x, c
 
     def unpatchify(self, x, keep=None):  # (B, T, p*p*C) -> (B, H, W, C), float32
-        """Patches back in the image layout; with keep (B, T_keep), x holds those patches alone
-        (B, T_keep, p*p*C), and the others are zero."""
+        """Patches back to the image; with keep, x holds only those (B, T_keep, p*p*C), the rest
+        zero."""
         g, p = self.cfg.grid, self.cfg.patch_size
         if keep is not None:
             full = jnp.zeros((x.shape[0], g * g, x.shape[-1]), x.dtype)
@@ -394,17 +381,10 @@ class DiT(nnx.Module):
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None,
                          guide=None, predict=None):
-        """Classifier-free guidance (Ho & Salimans 2022) in one batched call, as the official
-        sampler uses it. The batch is two halves, conditional labels first and null labels second;
-        the first half of x serves both (the second half is ignored), and both halves get the guided
-        prediction uncond + cfg_scale * (cond - uncond). Only the first `guidance_channels` channels
-        are guided: the official FID figures (2.27 for DiT-XL/2 at scale 1.5) used 3 of the 4 latent
-        channels; None guides the noise or velocity, never a learned variance. `interval`, a pair
-        (t_lo, t_hi) on the 0..1000 scale, guides only inside that noise range, elsewhere sampling
-        conditionally (Kynkaanniemi et al. 2024, "Applying guidance in a limited interval").
-        `guide`, a pair (another network's prediction for the first half, its weight w), adds
-        autoguidance's term (w - 1) * (cond - guide) to CFG's at every timestep (`sample`).
-        `predict(x, t, y)` is the network's prediction where not the model's own (`sample`)."""
+        """Classifier-free guidance (Ho & Salimans 2022) in one call: labels, then null labels, the
+        first half of x serving both; both get uncond + cfg_scale * (cond - uncond) on the first
+        `guidance_channels` (None: all but a learned variance), where t lies in `interval`. `guide`
+        (prediction, w) adds (w - 1) * (cond - guide); `predict` replaces the model."""
         half = x[: x.shape[0] // 2]
         out = (predict or self)(jnp.concatenate([half, half]), t, y)  # (2B, H, W, C_out)
         C = self.cfg.in_channels
@@ -419,8 +399,8 @@ class DiT(nnx.Module):
         return jnp.concatenate([jnp.concatenate([mixed, mixed]), out[..., n:]], axis=-1)
 
 def count_params(model):
-    """Number of learnable parameters. (The official count also includes the fixed position table,
-    which PyTorch stores as a frozen parameter: add T * D to compare.)"""
+    """Number of learnable parameters, without the fixed position table (T * D) that the official
+    count includes."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 #################################################################################
@@ -442,11 +422,8 @@ def count_params(model):
 # weights broadcastable to the elementwise loss (B, H, W, C), counts only the masked elements.
 
 def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
-    """The original timesteps a respaced sampler visits, ascending (official respace.py, Nichol &
-    Dhariwal 2021 section 4). "ddimN": the evenly strided steps 0, k, 2k, ... of the DDIM paper, N
-    of them. "N" or "N1,N2,...": split the T steps into equal sections and take N_i roughly evenly
-    spaced steps from section i, both of its ends included.
-    E.g. space_timesteps(1000, "250") -> [0, 4, 8, ..., 999]."""
+    """The original timesteps a respaced sampler visits, ascending (official respace.py): "ddimN", N
+    evenly strided; "N1,N2,...", N_i from each equal section, ends included."""
     if not isinstance(section_counts, str):
         raise TypeError(f"timestep respacing must be a string such as '250' or 'ddim25', got "
                         f"{section_counts!r}")
@@ -482,14 +459,13 @@ def space_timesteps(num_timesteps: int, section_counts: str) -> list[int]:
     return sorted(set(steps))
 
 def _extract(table, t, ndim):
-    """table[t] for step indices t (B,), shaped (B, 1, ..., 1) to broadcast against (B, H, W, C):
-    float32, rounded from the float64 table, as the official _extract_into_tensor gathers."""
+    """table[t] for step indices t (B,), float32, shaped (B, 1, ..., 1) to broadcast over x, as the
+    official _extract_into_tensor."""
     values = jnp.asarray(table, dtype=jnp.float32)[t]
     return values.reshape(values.shape + (1,) * (ndim - 1))
 
 def _mean_flat(x, mask=None):
-    """Mean over every axis but the batch axis: (B, ...) -> (B,); with mask, weights broadcastable
-    to x, the weighted mean (over the masked elements only, for a mask of 0s and 1s)."""
+    """Mean over all axes but the batch's, (B,); with a mask, over the masked elements."""
     axes = tuple(range(1, x.ndim))
     if mask is None:
         return jnp.mean(x, axis=axes)
@@ -502,8 +478,8 @@ def _normal_kl(mean1, logvar1, mean2, logvar2):
                   + (mean1 - mean2) ** 2 * jnp.exp(-logvar2))
 
 def _discretized_gaussian_log_likelihood(x, means, log_scales):
-    """log P(x) per element under N(means, e^(2 log_scales)) integrated over x's bin of width 2/255,
-    with the outermost bins open-ended (Ho et al. 2020 eq. 13). x is data assumed in [-1, 1]."""
+    """log P(x) per element of data x in [-1, 1] under N(means, e^(2 log_scales)) over bins of width
+    2/255 (Ho et al. 2020 eq. 13)."""
     def cdf(v):  # the official tanh approximation of the standard normal CDF, so the VLB matches
         return 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3)))
     centered, inv_std = x - means, jnp.exp(-log_scales)
@@ -513,8 +489,8 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
     return jnp.log(jnp.maximum(p, 1e-12))
 
 def check_output(objective, out, x):
-    """The model's output `out`, after a ValueError unless it has the objective's channels for x
-    (B, H, W, C): 2C under learned variance, else C."""
+    """`out`, or a ValueError unless it has the objective's channels: 2C under learned variance,
+    else C."""
     C = x.shape[-1]
     if out.shape != x.shape[:-1] + ((2 if objective.learn_sigma else 1) * C,):
         raise ValueError(f"the objective {objective.name} needs the model's output for x of shape "
@@ -523,15 +499,9 @@ def check_output(objective, out, x):
     return out
 
 class GaussianDiffusion:
-    """DDPM (Ho et al. 2020) with the learned-range variance of Nichol & Dhariwal 2021, as DiT
-    trains it: linear betas, epsilon prediction, loss = MSE(eps) + VLB. Equals the official
-    create_diffusion(timestep_respacing) with its defaults (learn_sigma=True, MSE loss).
-
-    timestep_respacing: "" keeps all num_timesteps steps (training); "250" or "ddim25" (see
-    space_timesteps) builds the shorter chain that samplers walk: the kept steps keep their
-    alpha-bar, so betas are recomputed between them. Step indices t below index this (possibly
-    respaced) chain; the network always sees the original timestep, timestep_map[t], which is what
-    it was trained on. All schedule constants are float64 numpy arrays, as in the official code."""
+    """DDPM with learned variance (Ho et al. 2020; Nichol & Dhariwal 2021), the official
+    create_diffusion. `timestep_respacing` ("250", "ddim25"; "": all) keeps some steps' alpha-bar; t
+    indexes that chain, the network sees timestep_map[t]."""
 
     name, learn_sigma, SETTINGS = "ddpm", True, ()
     METHODS = ("ddpm", "ddim")  # its samplers; the paper's: ancestral sampling over 250 steps
@@ -573,7 +543,7 @@ class GaussianDiffusion:
         self.posterior_mean_coef2 = (1.0 - abar_prev) * np.sqrt(alphas) / (1.0 - abar)
 
     def _model_time(self, t):
-        """Step indices (B,) -> the original timesteps the network was trained on, float32 (B,)."""
+        """Step indices -> the original timesteps, float32."""
         return jnp.asarray(self.timestep_map, dtype=jnp.float32)[t]
 
     def _q_posterior(self, x0, x_t, t):
@@ -583,10 +553,8 @@ class GaussianDiffusion:
         return mean, _extract(self.posterior_log_variance_clipped, t, x_t.ndim)
 
     def p_mean_variance(self, model_out, x, t_index):
-        """The model's reverse step p(x_{t-1} | x_t) from its raw output (official p_mean_variance,
-        no clipping). model_out (B, H, W, 2C): eps, then v in [-1, 1] that interpolates the
-        log-variance between the posterior variance (v = -1) and beta_t (v = 1) (Nichol & Dhariwal
-        eq. 15). Returns dict(mean, log_variance, pred_xstart), each (B, H, W, C)."""
+        """p(x_{t-1} | x_t) from model_out: eps, then v in [-1, 1] interpolating the log-variance
+        (Nichol & Dhariwal eq. 15). Returns dict(mean, log_variance, pred_xstart), unclipped."""
         eps, var_values = jnp.split(check_output(self, model_out, x), 2, axis=-1)
         min_log = _extract(self.posterior_log_variance_clipped, t_index, x.ndim)
         max_log = _extract(np.log(self.betas), t_index, x.ndim)
@@ -599,13 +567,12 @@ class GaussianDiffusion:
         return {"mean": mean, "log_variance": log_variance, "pred_xstart": pred_xstart}
 
     def time_at(self, level):
-        """The step indices (B,) of noise levels (B,) in [0, 1]: level * T, rounded down."""
+        """Step indices of noise levels in [0, 1], rounded down."""
         return jnp.minimum((level * self.num_timesteps).astype(jnp.int32), self.num_timesteps - 1)
 
     def losses_at(self, model_fn, x0, t, noise, mask=None):
-        """Per-sample losses at given step indices t (B,) int and noise like x0 (B, H, W, C)
-        (official training_losses). Returns dict(loss, mse, vb, level), each (B,); vb is in bits
-        per dimension, level is t as a fraction of the chain, in [0, 1)."""
+        """Per-sample losses at step indices t (official training_losses): dict(loss, mse, vb in
+        bits per dimension, level), each (B,)."""
         x_t = (_extract(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
                + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.ndim) * noise)
         model_out = model_fn(x_t, self._model_time(t))  # (B, H, W, 2C)
@@ -635,18 +602,15 @@ class GaussianDiffusion:
         return self.losses_at(model_fn, x0, *self.draw(key, x0), mask)
 
     def sample(self, model_fn, noise, key, steps, method="ddpm", return_trajectory=False):
-        """Sample on the chain of `steps` evenly spaced timesteps (official respacing: "250" for
-        ancestral sampling, "ddim250" for DDIM), which walk() walks."""
+        """walk() the chain respaced to `steps` ("ddim{steps}" for DDIM)."""
         check_sampler(self, steps, method)
         chain = GaussianDiffusion(f"ddim{steps}" if method == "ddim" else str(steps),
                                   self.base_timesteps)
         return chain.walk(model_fn, noise, key, method, return_trajectory)
 
     def walk(self, model_fn, noise, key=None, method="ddpm", return_trajectory=False):
-        """Walk this chain from t = T-1 down to 0, from noise (B, H, W, C): "ddpm" samples
-        ancestrally, x_{t-1} ~ p(x_{t-1} | x_t), with fresh noise from key (official p_sample_loop);
-        "ddim" is DDIM with eta = 0 (Song et al. 2021 eq. 12), deterministic, key unused (official
-        ddim_sample_loop). No clipping of the x_0 prediction, as DiT samples latents."""
+        """Sample down this chain from noise: "ddpm" ancestrally, "ddim" deterministically (eta = 0;
+        Song et al. 2021); x_0 unclipped, as for latents."""
         check_sampler(self, self.num_timesteps, method)
         if method == "ddpm" and key is None:
             raise ValueError("ancestral ('ddpm') sampling draws fresh noise: pass a PRNG key")
@@ -676,13 +640,8 @@ class GaussianDiffusion:
 #################################################################################
 
 class RectifiedFlow:
-    """Rectified flow / flow matching (Liu et al. 2022, Lipman et al. 2023): x_t = (1 - t) x_0 + t
-    eps walks a straight line from data (t = 0) to noise (t = 1), and the network learns its
-    velocity dx_t/dt = eps - x_0 by regression. Training times t come from timestep_sampling:
-    "logit_normal", t = sigmoid(loc + scale * n) with n ~ N(0, 1), which favours the middle of the
-    path (Esser et al. 2024, SD3 section 3.1; loc = 0, scale = 1 is their best), or "uniform"
-    on [0, 1). The network sees 1000 * t, the scale of DiT's timestep embedding, and predicts the
-    velocity (B, H, W, C): build the DiT with learn_sigma=False."""
+    """Rectified flow (Liu et al. 2022; Lipman et al. 2023): x_t = (1 - t) x_0 + t eps, the network
+    regressing eps - x_0 at 1000 * t, t logit-normal (as SD3) or uniform."""
 
     name, learn_sigma, SETTINGS = "rf", False, ("timestep_sampling", "loc", "scale")
     # Its samplers; by default Heun at 25 steps, 50 network calls, second order (test_dit.py's
@@ -705,7 +664,7 @@ class RectifiedFlow:
         return jax.random.uniform(key, (n,))
 
     def _velocity(self, model_fn, x, t):
-        """The network's velocity at x (B, H, W, C) and times t (B,) in [0, 1]."""
+        """The network's velocity at x and times t (B,) in [0, 1]."""
         return check_output(self, model_fn(x, 1000.0 * t), x)
 
     def time_at(self, level):
@@ -713,8 +672,7 @@ class RectifiedFlow:
         return level
 
     def losses_at(self, model_fn, x0, t, noise, mask=None):
-        """Per-sample squared error of the velocity at times t (B,) in [0, 1] with noise like x0
-        (B, H, W, C), mean over non-batch axes (minRF). Returns dict(loss, level), each (B,)."""
+        """Per-sample squared velocity errors at times t (B,): dict(loss, level)."""
         t_b = t.reshape((-1,) + (1,) * (x0.ndim - 1))  # (B, 1, 1, 1)
         x_t = (1 - t_b) * x0 + t_b * noise
         error = (noise - x0 - self._velocity(model_fn, x_t, t)) ** 2
@@ -731,8 +689,8 @@ class RectifiedFlow:
         return self.losses_at(model_fn, x0, *self.draw(key, x0), mask)
 
     def sample(self, model_fn, noise, key, steps: int, method="euler", return_trajectory=False):
-        """Integrate dx/dt = v(x, t) from noise at t = 1 to t = 0 in `steps` equal steps, "euler" or
-        "heun" (key unused); Heun corrects the last step too: the velocity is finite at t = 0."""
+        """Euler or Heun in `steps` equal steps from noise at t = 1 to 0; key unused. Heun corrects
+        the last step too: the velocity is finite at t = 0."""
         check_sampler(self, steps, method)
         v = lambda x, t: self._velocity(model_fn, x, jnp.full((x.shape[0],), t))  # noqa: E731
         x, trajectory = integrate(v, noise, jnp.linspace(1.0, 0.0, steps + 1), method,
@@ -748,10 +706,8 @@ def check_sampler(objective, steps, method):
         raise ValueError(f"steps must be a positive int, got {steps!r}")
 
 def integrate(f, x, times, method, return_trajectory=False):
-    """Integrate dx/dt = f(x, t) from x at times[0] through `times` (K+1,): "euler", one call of f
-    per step, or "heun", Heun's second-order method (Karras et al. 2022, alg. 1), which corrects
-    each Euler step with f at its end. Returns (x at times[-1], the trajectory (K, ...) after each
-    step when asked, else None)."""
+    """Integrate dx/dt = f(x, t) through `times` (K+1,), "euler" or "heun" (Karras et al. 2022,
+    alg. 1): (final x, the K states or None)."""
     def step(x, t_pair):
         t, t_next = t_pair
         d = f(x, t)
@@ -766,17 +722,16 @@ def integrate(f, x, times, method, return_trajectory=False):
 #################################################################################
 
 def make_optimizer(lr, warmup=0, grad_clip=0.0, betas=(0.9, 0.999)):
-    """AdamW without weight decay at a constant learning rate, as DiT trains (at 1e-4, betas 0.9 and
-    0.999); optional linear warm-up and global gradient clipping. Returns (optimizer, schedule)."""
+    """AdamW without weight decay, as DiT; optional warm-up and clipping. Returns
+    (optimizer, schedule)."""
     schedule = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
     adamw = optax.adamw(schedule, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=0.0)
     tx = optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip else adamw
     return tx, schedule
 
 def new_train_state(model, tx):
-    """The training state of a fresh model: step, parameters, their EMA (starting as a copy, as in
-    DiT) and the optimizer state, as plain nested dicts of arrays, so that checkpoints name each
-    array by its path (params.blocks.0.attn.qkv.kernel, ...)."""
+    """A fresh model's state: step, parameters, their EMA (a copy), optimizer state; nested dicts,
+    named by path."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "ema": jax.tree.map(jnp.copy, params), "opt_state": tx.init(params)}
@@ -786,21 +741,13 @@ def loss_gradient(loss_fn, state):
     return jax.grad(loss_fn, has_aux=True)(state["params"])
 
 def batch_losses(objective, model, x, y, key, drop_key, ema):
-    """The objective's per-sample training losses of the model on the batch x (B, H, W, C), y (B,):
-    timesteps and noise drawn from key, the label dropout from drop_key. (The EMA weights `ema`
-    are for the auxiliary terms of Part II.)"""
+    """The objective's per-sample losses of the model on x, y; `ema` serves Part II's terms."""
     return objective.training_losses(lambda xt, t: model(xt, t, y, drop_key=drop_key), x, key)
 
 def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
                     gradient=loss_gradient, batch_losses=batch_losses):
-    """One optimisation step on a global batch, pure, for jit: (state, x, y) -> (state, metrics),
-    the metrics being the mean loss, the gradient's norm and the objective's per-sample `losses`.
-    `gradient` computes the gradients from the loss (the harness scales float16's), `batch_losses`
-    the per-sample losses (the harness's TrainingLoss counts deferred masking's share of the
-    patches and adds auxiliary terms, "aux", each a weighted scalar).
-
-    The random numbers of step s (timesteps, noise, label dropout) come from fold_in(key(seed), s),
-    so a resumed run draws exactly what an uninterrupted one would, on any number of devices."""
+    """One pure step for jit, (state, x, y) -> (state, metrics); step s draws from
+    fold_in(key(seed), s), so a resumed run draws the same."""
     def train_step(state, x, y):  # x (B, H, W, C), y (B,)
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
         key_objective, key_drop = jax.random.split(key)
@@ -831,9 +778,8 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 #################################################################################
 
 def check_guidance(cfg, cfg_scale, internal_scale=1.0):
-    """Refuse guidance (cfg_scale != 1) of a class-conditional model of configuration cfg that was
-    trained without label dropout: it has no null label to guide with; and internal guidance of a
-    model without an internal head."""
+    """InputError for CFG without a null label (no label dropout) or internal guidance without an
+    internal head."""
     if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
         raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
                          f"dropout, so it has no null label to guide with; sample at scale 1")
@@ -844,16 +790,10 @@ def check_guidance(cfg, cfg_scale, internal_scale=1.0):
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
            interval=None, guide=None, guide_scale=1.0, internal_scale=1.0,
            return_trajectory=False):
-    """Draw samples (B, H, W, C) from noise (B, H, W, C) and labels y (B,), with classifier-free
-    guidance when cfg_scale != 1: the batch is doubled with null labels and the guided half kept.
-    With a `guide` and guide_scale w != 1, autoguidance (Karras et al. 2024, "Guiding a diffusion
-    model with a bad version of itself"): a weaker network of the same data, such as an earlier
-    EMA of the same run, predicts too, and the prediction becomes guide + w * (model - guide),
-    beside CFG's term as their Appendix B.2 combines the two. Guided are the same channels as by
-    CFG; the interval limits CFG alone. With internal_scale w != 1, internal guidance (Part II,
-    section 12): the network's prediction is first internal + w * (final - internal), the internal
-    head's and the final layer's, on the same channels. Pure; jit it. A model without classes
-    samples without CFG."""
+    """Samples (B, H, W, C) from noise and labels y (B,), with CFG (cfg_scale != 1, with classes),
+    autoguidance by `guide` at guide_scale w (Karras et al. 2024; App. B.2), guide + w *
+    (model - guide), and internal guidance at internal_scale w, internal + w * (final - internal).
+    Pure; jit it."""
     check_guidance(model.cfg, cfg_scale, internal_scale)
     n = noise.shape[0]
     c = min(guidance_channels or model.cfg.in_channels, model.cfg.in_channels)
@@ -905,9 +845,8 @@ recomputed = functools.cache(jax.checkpoint)
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
 
 def recompute_call(method, module, *args, remat):
-    """method(module, *args), recomputed in the backward pass as REMAT_POLICIES[remat] says (None:
-    kept). It calls a pure function of the module's arrays: nnx.remat's updates of the module fail
-    under jax.lax.scan, where the samplers call the model."""
+    """method(module, *args), recomputed as REMAT_POLICIES[remat] says (None: kept), purely:
+    nnx.remat fails under lax.scan."""
     if remat is None:
         return method(module, *args)
     graphdef, state = nnx.split(module)
@@ -915,22 +854,20 @@ def recompute_call(method, module, *args, remat):
     return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
 
 def compute_capability(device):
-    """An NVIDIA GPU's compute capability as a number (8.0 for Ampere); 0 for other devices."""
+    """An NVIDIA GPU's compute capability (8.0: Ampere); 0 elsewhere."""
     return float(getattr(device, "compute_capability", 0) or 0)
 
 def attention_implementation(dtype, head_dim, device=None):
-    """"cudnn" where cuDNN's fused flash attention runs, which never builds the (B, H, T, T)
-    weights: NVIDIA GPUs from Ampere on (compute capability 8.0), 16-bit floats, head sizes that
-    are multiples of 8 up to 128. "xla" elsewhere: XLA's own, which the exactness tests check."""
+    """"cudnn" (flash attention) on NVIDIA Ampere and later in 16-bit floats, head sizes 8 to 128 by
+    8; else "xla"."""
     device = device or jax.devices()[0]
     fused = (device.platform == "gpu" and compute_capability(device) >= 8.0
              and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128)
     return "cudnn" if fused else "xla"
 
 def matmul_precision(dtype):
-    """float32 means float32: on NVIDIA GPUs XLA would otherwise multiply float32 matrices in TF32
-    (10-bit mantissas), on TPUs in one bfloat16 pass. A no-op for 16-bit dtypes and where the caller
-    set a precision (jax.default_matmul_precision), as prepare_imagenet100.py does for the VAE."""
+    """A context where float32 products are float32, not TF32 or bfloat16, unless a precision is
+    set."""
     if dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None:
         return jax.default_matmul_precision("highest")
     return contextlib.nullcontext()
@@ -940,16 +877,13 @@ def matmul_precision(dtype):
 #################################################################################
 
 def rms_norm(x, eps=1e-6):
-    """RMSNorm (Zhang & Sennrich 2019), the rms_norm switch's layer_norm: no mean is subtracted, so
-    the tokens keep their offset; no affine parameters, float32, as layer_norm."""
+    """RMSNorm (Zhang & Sennrich 2019), as layer_norm: float32, no affine parameters."""
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)).astype(x.dtype)
 
 def rope_tables(head_dim, grid):
-    """cos and sin (T, head_dim) of 2-D rotary position embeddings (Su et al. 2021; in 2-D as in
-    EVA-02 and LightningDiT) for a grid x grid of patches, row-major. Channel i of a head turns with
-    channel i + head_dim/2 by the patch's row times a frequency in the first half of the pairs, by
-    its column in the second; each half's frequencies fall geometrically from 1 towards 1/10000."""
+    """cos and sin (T, head_dim) of 2-D RoPE: half of the channel pairs turn by the patch's row,
+    half by its column."""
     freqs = 1.0 / 10000 ** (np.arange(head_dim // 4) / (head_dim // 4))  # (head_dim/4,)
     rows, cols = np.indices((grid, grid))
     angles = np.concatenate([np.outer(rows.ravel(), freqs), np.outer(cols.ravel(), freqs)], axis=1)
@@ -957,16 +891,14 @@ def rope_tables(head_dim, grid):
     return np.cos(angles), np.sin(angles)
 
 def apply_rope(x, cos, sin):
-    """Rotate the channel pairs (i, i + d/2) of queries or keys x (B, T, H, d) by rope_tables'
-    angles, (T, d) or each sample's own (B, T, d), so that q . k sees only the patches' offset."""
+    """Rotate pairs (i, i + d/2) of q or k (B, T, H, d) by angles (T, d) or (B, T, d)."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
 
 class DiTPlusAttention(Attention):
-    """Attention whose queries and keys are changed before they meet. qk_norm: each head's are
-    RMS-normalised with a learned scale, which bounds the attention logits (SD3, Esser et al.
-    2024). rope_grid (the grid, or None): they are rotated by their patch's position (RoPE)."""
+    """Attention with per-head RMSNorm of queries and keys (qk_norm) and RoPE
+    (rope_grid, or None)."""
 
     def __init__(self, dim, num_heads, qk_norm, rope_grid, *, dtype, rngs):
         super().__init__(dim, num_heads, dtype=dtype, rngs=rngs)
@@ -996,9 +928,8 @@ def swish_gate(a, b):
     return jax.nn.silu(a) * b
 
 class SwiGLU(nnx.Module):
-    """The swiglu feed-forward layer w3(silu(x w1) * (x w2)), w1 and w2 fused into w12 (Shazeer
-    2020, "GLU variants improve Transformer"). At 2/3 of the GELU MLP's width its three matrices
-    hold as many weights as the MLP's two; its biases add 4D/3 per block (512 on DiT-S)."""
+    """SwiGLU, w3(silu(x w1) * (x w2)), w1 and w2 fused: at 2/3 of the MLP's width, as many
+    weights."""
 
     def __init__(self, dim, hidden, *, dtype, rngs):
         self.w12 = nnx.Linear(dim, 2 * hidden, kernel_init=xavier, dtype=dtype, rngs=rngs)
@@ -1009,8 +940,7 @@ class SwiGLU(nnx.Module):
         return self.w3(recomputed(swish_gate)(a, b))
 
 class DiTPlusBlock(DiTBlock):
-    """The paper's DiT block (adaLN-Zero, the forward pass) with the parts cfg's switches replace;
-    norms and activations are recomputed in the backward pass, the whole block as `remat` says."""
+    """DiT's block with the parts cfg's switches replace, recomputed as `remat` says."""
 
     def __init__(self, cfg: DiTConfig, *, dtype, remat, rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
@@ -1033,9 +963,8 @@ class DiTPlusBlock(DiTBlock):
         return recompute_call(DiTBlock.__call__, self, x, c, positions, remat=self.remat)
 
 class DiTPlus(DiT):
-    """The model the harness trains and samples, for both architectures: DiT with DiT+'s blocks and
-    final norm (the paper's with every switch off), run as "Memory and speed" says: float32
-    products in float32, blocks recomputed as `remat` (a REMAT_POLICIES key, or None) says."""
+    """The harness's model: DiT with DiT+'s blocks (every switch off: the paper's), recomputed as
+    `remat` says, in matmul_precision."""
     Block = DiTPlusBlock
 
     def __init__(self, cfg: DiTConfig, *, dtype=jnp.float32, remat=None, rngs: nnx.Rngs):
@@ -1047,8 +976,7 @@ class DiTPlus(DiT):
             self.sra_head = ProjectionHead(cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def forward(self, x, t, y, drop_key=None, taps=(), keep=None, mix=0):
-        """DiT's, in matmul_precision; with cfg.internal_block, the intermediates' "internal" is
-        the internal head's prediction (B, H, W, C_out) from the tokens after that block."""
+        """DiT's; "internal": the internal head's prediction, with cfg.internal_block."""
         b = self.cfg.internal_block
         with matmul_precision(self.dtype):
             out, hidden = super().forward(x, t, y, drop_key, {*taps, b} if b else taps, keep, mix)
@@ -1062,16 +990,9 @@ class DiTPlus(DiT):
 #################################################################################
 
 class EDM:
-    """The denoiser of Karras et al. 2022 ("Elucidating the Design Space of Diffusion-Based
-    Generative Models") behind the core's objective interface (section 4). Data x_0 is noised to
-    x = x_0 + sigma n and the network F preconditioned (their Table 1):
-        D(x; sigma) = c_skip x + c_out F(c_in x, c_noise),  c_noise = ln(sigma) / 4,
-    c_skip, c_out and c_in keeping F's input and target at unit variance for data of standard
-    deviation sigma_data: 0.5 for pixels in [-1, 1], as theirs, and measured for latents
-    (Dataset.sigma_data). Training draws ln(sigma) ~ N(P_MEAN, P_STD^2) and weighs the denoising
-    error by lambda(sigma) = 1 / c_out^2. DiT sees c_noise mapped linearly so that [SIGMA_MIN,
-    SIGMA_MAX] spans its 0..1000; the noise level is sigma / (1 + sigma), rectified flow's t at the
-    same signal-to-noise ratio. The network predicts (B, H, W, C), without learned variance."""
+    """EDM (Karras et al. 2022): x = x_0 + sigma n, D(x; sigma) = c_skip x + c_out
+    F(c_in x, c_noise), preconditioned for std sigma_data, c_noise = ln(sigma) / 4 mapped onto DiT's
+    0..1000. Training: ln(sigma) ~ N(P_MEAN, P_STD^2), weight 1 / c_out^2."""
     name, learn_sigma, SETTINGS = "edm", False, ("sigma_data",)
     # its samplers; by default Heun at their 18 steps (35 network calls)
     METHODS = ("heun", "euler")
@@ -1084,7 +1005,7 @@ class EDM:
         self.sigma_data = float(sigma_data)
 
     def denoise(self, model_fn, x, sigma):
-        """D(x; sigma) for x (B, H, W, C) at noise levels sigma (B,) > 0."""
+        """D(x; sigma) at noise levels sigma (B,) > 0."""
         s, sd = sigma.reshape((-1,) + (1,) * (x.ndim - 1)), self.sigma_data
         lo, hi = np.log(self.SIGMA_MIN) / 4, np.log(self.SIGMA_MAX) / 4
         out = check_output(self, model_fn(x / jnp.sqrt(s ** 2 + sd ** 2),
@@ -1095,8 +1016,7 @@ class EDM:
         return level / (1 - level)
 
     def losses_at(self, model_fn, x0, sigma, noise, mask=None):
-        """Per-sample weighted denoising errors at noise levels sigma (B,) with noise like x0
-        (B, H, W, C). Returns dict(loss, level), each (B,)."""
+        """Per-sample weighted denoising errors at sigma (B,): dict(loss, level)."""
         s, sd = sigma.reshape((-1,) + (1,) * (x0.ndim - 1)), self.sigma_data
         error = (self.denoise(model_fn, x0 + s * noise, sigma) - x0) ** 2
         return {"loss": _mean_flat((s ** 2 + sd ** 2) / (s * sd) ** 2 * error, mask),
@@ -1113,10 +1033,8 @@ class EDM:
         return self.losses_at(model_fn, x0, *self.draw(key, x0), mask)
 
     def sample(self, model_fn, noise, key, steps, method="heun", return_trajectory=False):
-        """Integrate the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma from SIGMA_MAX *
-        noise over `steps` levels of the rho = 7 schedule to SIGMA_MIN, then to 0; key unused.
-        "heun" (their Algorithm 1) corrects each step but the last (to 0, where Euler's step gives
-        D(x; sigma) itself) with a second call; "euler" does not."""
+        """Heun (their alg. 1) or Euler from SIGMA_MAX * noise down `steps` rho-schedule levels to
+        SIGMA_MIN, then D; key unused."""
         check_sampler(self, steps, method)
         hi, lo = self.SIGMA_MAX ** (1 / self.RHO), self.SIGMA_MIN ** (1 / self.RHO)
         sigmas = (hi + jnp.linspace(0.0, 1.0, steps) * (lo - hi)) ** self.RHO  # (steps,)
@@ -1130,14 +1048,13 @@ class EDM:
 OBJECTIVES = {objective.name: objective for objective in (RectifiedFlow, GaussianDiffusion, EDM)}
 
 def make_objective(name, **options):
-    """The objective called `name`, built from those of `options` that are its SETTINGS, ignoring
-    the others: the command line offers every objective the same, a checkpoint records its own."""
+    """The objective `name`, from its SETTINGS among `options`; the others are ignored."""
     if name not in OBJECTIVES:
         raise InputError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
     return OBJECTIVES[name](**{k: v for k, v in options.items() if k in OBJECTIVES[name].SETTINGS})
 
 def objective_record(objective):
-    """A checkpoint's record of an objective: its name and SETTINGS, make_objective's arguments."""
+    """An objective's name and SETTINGS, as checkpoints record them."""
     return {"name": objective.name, **{k: getattr(objective, k) for k in objective.SETTINGS}}
 
 #################################################################################
@@ -1159,8 +1076,7 @@ def objective_record(objective):
 
 @dataclasses.dataclass(frozen=True)
 class DeferredMasking:
-    """A training step's masking (TrainingLoss's): `mask_ratio` of each image's patch tokens are
-    dropped after the model's first `mixer_depth` blocks."""
+    """Drops `mask_ratio` of each image's tokens after the first `mixer_depth` blocks."""
     mask_ratio: float
     mixer_depth: int
 
@@ -1169,8 +1085,7 @@ class DeferredMasking:
         return max(1, round(T * (1 - self.mask_ratio)))
 
     def draw(self, key, model, B):
-        """(the kept patches (B, T_keep), a random share of each image's; the loss's mask, 1 at
-        their pixels (B, H, W, 1)), from key."""
+        """(kept patches (B, T_keep), random per image; the loss's mask (B, H, W, 1)) from key."""
         T, p = model.cfg.grid ** 2, model.cfg.patch_size
         order = jnp.argsort(jax.random.uniform(key, (B, T)), axis=1)      # random, per image
         keep = order[:, :self.kept(T)]                                      # (B, T_keep)
@@ -1189,11 +1104,8 @@ class DeferredMasking:
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """What a training step's terms read: the objective and the models (the student being trained,
-    the EMA `teacher` as a model, read-only); the batch x (B, H, W, C), y (B,) and the label
-    dropout's drop_key; the objective's times t (B,), their noise levels in [0, 1] and the noise;
-    a key of the terms' own; the loss's mask and deferred masking's kept patches `keep`
-    (B, T_keep) past block `mix`, or None; and forward's intermediates `hidden`."""
+    """What a step's terms read, forward's intermediates `hidden` among them; `teacher` is the EMA,
+    read-only."""
     objective: object
     model: nnx.Module
     teacher: nnx.Module
@@ -1210,16 +1122,14 @@ class Seen:
     hidden: dict
 
     def tokens(self, k):
-        """The tokens after block k (B, T', D) and the patches they stand for (B, T') or None."""
+        """The tokens after block k, and the patches they stand for or None."""
         return self.hidden[f"block{k}"], (self.keep if self.keep is not None and k > self.mix
                                           else None)
 
 @dataclasses.dataclass(frozen=True)
 class Dispersive:
-    """Dispersive loss (Wang & He 2025, "Diffuse and Disperse"), InfoNCE without positives: the
-    log of the mean over all pairs (i, j) of the batch of exp(-||z_i - z_j||^2 / (n temperature)),
-    z a sample's tokens after `block`, flattened to n numbers. It spreads the samples apart: 0 when
-    they are identical, lower the further apart they are."""
+    """Dispersive loss (Wang & He 2025): log of the batch's mean exp(-||z_i - z_j||^2 /
+    (n temperature)), z the tokens after `block`."""
     block: int
     weight: float = 0.5
     temperature: float = 1.0
@@ -1237,7 +1147,7 @@ class Dispersive:
         return jax.nn.logsumexp(-d / self.temperature) - 2 * jnp.log(z.shape[0])
 
 class ProjectionHead(nnx.Module):
-    """SRA's head on the student block's tokens: Linear D -> 2D, SiLU, Linear 2D -> D."""
+    """SRA's head: Linear D -> 2D, SiLU, Linear 2D -> D."""
 
     def __init__(self, dim, *, dtype, rngs):
         self.fc1 = nnx.Linear(dim, 2 * dim, kernel_init=xavier, dtype=dtype, rngs=rngs)
@@ -1248,10 +1158,8 @@ class ProjectionHead(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class SRA:
-    """Self-representation alignment (Jiang et al. 2025): the `student` block's tokens, through
-    the model's sra_head, are aligned to the `teacher` block's tokens of the EMA weights at a lower
-    noise level, by up to `offset` of the level (uniform per sample; same noise, same labels): one
-    minus their cosine similarity, per token. The EMA is read, never trained."""
+    """Self-representation alignment (Jiang et al. 2025): 1 - cosine, per token, of the student
+    block through sra_head and the EMA's teacher block up to `offset` less noisy."""
     student: int
     teacher: int
     offset: float = 0.2
@@ -1283,10 +1191,8 @@ class SRA:
 
 @dataclasses.dataclass(frozen=True)
 class Internal:
-    """Internal guidance's training term (Zhou et al. 2025, "Guiding a Diffusion Transformer with
-    the Internal Dynamics of Itself"): the objective's loss of the internal head's prediction from
-    the tokens after cfg.internal_block, the model's. `sample` extrapolates from it to the final
-    prediction: internal + w * (final - internal)."""
+    """Internal guidance's term (Zhou et al. 2025): the objective's loss of the internal head's
+    prediction."""
     weight: float = 0.5
     name = "internal"
     taps = frozenset()
@@ -1297,9 +1203,8 @@ class Internal:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingLoss:
-    """make_train_step's batch_losses as the harness assembles it: the objective's per-sample
-    losses, over deferred masking's kept patches where `masking` is set, and the auxiliary `terms`,
-    each weight * term under its name in "aux"."""
+    """The harness's batch_losses: the objective's over the kept patches, and each term's weight *
+    term in "aux"."""
     masking: DeferredMasking | None = None
     terms: tuple = ()
 
@@ -1337,8 +1242,7 @@ class TrainingLoss:
 # the safetensors package. Both name a parameter as PyTorch does.
 
 def flatten(tree):
-    """{'blocks.0.attn.qkv.kernel': leaf, ...}: the arrays of a nested structure under their dotted
-    paths, the one naming of arrays that checkpoints and weight files share."""
+    """{dotted path: leaf}: the names that checkpoints and weight files share."""
     return {jax.tree_util.keystr(path, simple=True, separator="."): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -1362,25 +1266,22 @@ _TORCH_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight
                      "mean": "running_mean", "var": "running_var"}
 
 def torch_name(name):
-    """The PyTorch state-dict key of our weight `name`: 'blocks.0.attn.qkv.kernel' ->
-    'blocks.0.attn.qkv.weight'. PyTorch omits the 'layers' under which nnx.Sequential keeps them."""
+    """The PyTorch key of our weight `name` (kernel -> weight, no nnx.Sequential 'layers')."""
     parts = [part for part in name.split(".") if part != "layers"]
     parts[-1] = _TORCH_LEAF_NAMES.get(parts[-1], parts[-1])
     return ".".join(parts)
 
 def to_torch_layout(name, value, inverse=False):
-    """Our layout -> PyTorch's for the weight `name` (PyTorch's -> ours if `inverse`): linear
-    kernels (in, out) <-> (out, in), convolution kernels HWIO <-> OIHW; other weights are alike."""
+    """Our layout -> PyTorch's (the reverse if `inverse`): linear kernels transposed, HWIO <->
+    OIHW."""
     if not name.endswith("kernel"):
         return value
     axes = (2, 3, 1, 0) if inverse else (3, 2, 0, 1)
     return value.T if value.ndim == 2 else value.transpose(axes)
 
 def load_torch_weights(model, state_dict, what, fix, names=None, skip=None):
-    """Copy a PyTorch state dict (numpy arrays) into `model` and return it: the one loader of the
-    official DiT's, the SD VAE's and fid.py's Inception's weights, each from the key torch_name
-    gives it (or `names`, {key: our name}). Missing or unexpected keys (but those `skip` matches)
-    and other shapes are named with `fix`: the file `what` holds another model."""
+    """Copy a PyTorch state dict into `model` by torch_name (or `names`); missing, unexpected
+    (but `skip`'s) or misshapen keys raise InputError naming `what`."""
     ours = named_params(model)
     names = names or {torch_name(name): name for name in ours}
     missing = sorted(set(names) - set(state_dict))
@@ -1421,9 +1322,8 @@ def infer_dit_config(state_dict):
                      num_classes=0 if table is None else table.shape[0] - 1)
 
 def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
-    """A DiT with the weights of an official PyTorch checkpoint (a released `DiT-XL-2-256x256.pt`,
-    or train.py's, whose EMA weights are taken), read through load_torch (section 22); its
-    configuration from their shapes unless `cfg` is given. Keyword arguments go to DiTPlus."""
+    """A DiTPlus (with the keyword arguments) of an official .pt checkpoint (train.py's: its EMA),
+    configured from its shapes unless `cfg`."""
     state_dict = load_torch(path)
     if isinstance(state_dict, dict) and "ema" in state_dict:
         state_dict = state_dict["ema"]
@@ -1468,8 +1368,8 @@ class VAEConfig:
 
     @classmethod
     def from_json(cls, path):
-        """Read a diffusers config.json through read_json (section 24); keys that do not change
-        the network (sample_size, ...) are ignored, options not built here refused."""
+        """A diffusers config.json: keys that do not shape the network ignored, options not built
+        here refused."""
         fix = "pass the config.json that came with the weights"
         raw = read_json(path, lambda c: isinstance(c, dict), "a diffusers config (an object)", fix)
         required = {"_class_name": "AutoencoderKL", "act_fn": "silu", "use_quant_conv": True,
@@ -1530,8 +1430,7 @@ class VAEResnetBlock(nnx.Module):
         return x + h
 
 class VAEAttention(nnx.Module):
-    """The mid-block self-attention over all H*W positions: one head as wide as the channels,
-    GroupNorm in front, residual around it (diffusers Attention, AttnProcessor2_0, heads = 1)."""
+    """The mid-block self-attention over all H*W positions: one head, GroupNorm, residual."""
 
     def __init__(self, channels, groups, *, dtype, rngs):
         self.group_norm = _group_norm(channels, groups, dtype, rngs)
@@ -1548,8 +1447,8 @@ class VAEAttention(nnx.Module):
         return x + self.to_out(jnp.einsum("bqk,bkc->bqc", weights, v)).reshape(B, H, W, C)
 
 class VAEResample(nnx.Module):
-    """diffusers Downsample2D, a stride-2 3x3 conv padded by 1 right and bottom only (the LDM code's
-    quirk, which the weights learnt), or Upsample2D (use_conv=True): nearest x2, then a 3x3 conv."""
+    """Downsample2D (a stride-2 conv padded right and bottom only, as LDM's) or Upsample2D
+    (nearest x2, then a conv)."""
 
     def __init__(self, channels, down, *, dtype, rngs):
         self.down = down
@@ -1560,8 +1459,8 @@ class VAEResample(nnx.Module):
         return self.conv(x if self.down else jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
 
 class VAEBlock(nnx.Module):
-    """diffusers DownEncoderBlock2D (`down`) or UpDecoderBlock2D: `n` ResnetBlocks, then a
-    VAEResample if `resample`, named as in diffusers (`downsamplers.0`) so weights load by name."""
+    """DownEncoderBlock2D or UpDecoderBlock2D: `n` ResnetBlocks, then a VAEResample if
+    `resample`."""
 
     def __init__(self, cin, cout, n, groups, down, resample, *, dtype, rngs):
         self.resnets = nnx.List([VAEResnetBlock(cout if i else cin, cout, groups, dtype=dtype,
@@ -1587,10 +1486,8 @@ class VAEMidBlock(nnx.Module):
         return self.resnets[1](self.attentions[0](self.resnets[0](x)))
 
 class VAECoder(nnx.Module):
-    """diffusers Encoder (`down`), image (B, H, W, in) -> moments (B, H/f, W/f, 2*latent), or
-    Decoder, latent (B, h, w, latent) -> image (B, h*f, w*f, out), f = 2**(len(block_out_channels)
-    - 1): every level but the last resamples. Mirror images, but that the decoder's mid block
-    comes first and its levels have one ResnetBlock more (layers_per_block + 1, as diffusers')."""
+    """diffusers Encoder (image -> moments) or Decoder (latent -> image), whose mid block comes
+    first and levels hold a ResnetBlock more."""
 
     def __init__(self, cfg, down, *, dtype, rngs):
         ch, g = cfg.block_out_channels[::1 if down else -1], cfg.norm_num_groups
@@ -1614,10 +1511,8 @@ class VAECoder(nnx.Module):
         return self.conv_out(nnx.silu(self.conv_norm_out(x)))
 
 class AutoencoderKL(nnx.Module):
-    """diffusers AutoencoderKL in NHWC. encode gives the diagonal Gaussian posterior (mean, logvar);
-    DiT trains on z = (mean + exp(logvar / 2) * eps) * scaling_factor and samples
-    decode(z / scaling_factor). The convolutions and linear layers compute in `dtype` (bfloat16 to
-    decode DiT's bfloat16 samples); parameters, GroupNorm statistics and outputs stay float32."""
+    """diffusers AutoencoderKL in NHWC; DiT's latents are posterior samples times scaling_factor.
+    Computes in `dtype`; parameters and outputs float32."""
 
     def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
@@ -1633,7 +1528,7 @@ class AutoencoderKL(nnx.Module):
                              f"got shape {tuple(x.shape)}; for NCHW pass x.transpose(0, 2, 3, 1)")
 
     def encode(self, x):
-        """x: (B, H, W, in) in [-1, 1] -> mean, logvar: (B, H/f, W/f, latent) each, float32."""
+        """x (B, H, W, in) in [-1, 1] -> mean, logvar (B, H/f, W/f, latent), float32."""
         self._check(x, self.cfg.in_channels, "encode")
         with matmul_precision(self.dtype):
             moments = self.quant_conv(self.encoder(x)).astype(jnp.float32)
@@ -1641,15 +1536,14 @@ class AutoencoderKL(nnx.Module):
         return mean, jnp.clip(logvar, -30.0, 20.0)  # as diffusers' DiagonalGaussianDistribution
 
     def decode(self, z):
-        """z: (B, h, w, latent), unscaled -> image (B, h*f, w*f, out) about [-1, 1], float32."""
+        """Unscaled z (B, h, w, latent) -> image (B, h*f, w*f, out), float32."""
         self._check(z, self.cfg.latent_channels, "decode")
         with matmul_precision(self.dtype):
             return self.decoder(self.post_quant_conv(z)).astype(jnp.float32)
 
 # --- The released VAE's weights ------------------------------------------------
 def vae_torch_names(model):
-    """{diffusers name: our name} of our AutoencoderKL's parameters: torch_name's, as the module
-    tree mirrors diffusers', but for to_out, a ModuleList([Linear, Dropout]) in diffusers."""
+    """{diffusers name: ours}: torch_name's, but diffusers' to_out.0."""
     return {torch_name(name).replace("to_out.", "to_out.0."): name for name in named_params(model)}
 
 _OLD_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
@@ -1663,15 +1557,14 @@ def load_vae_weights(model, tensors, source="the weight file"):
                               "these weights?", names=vae_torch_names(model))
 
 def vae_dtype(precision):
-    """The VAE's compute dtype at a sampling precision: the model's, except float16, in which the
-    SD VAE's activations overflow (diffusers upcasts it to float32 then, force_upcast)."""
+    """The VAE's dtype at a sampling precision: the model's, but float32 for fp16, in which the SD
+    VAE overflows."""
     return jnp.float32 if precision == "fp16" else compute_dtype(precision)
 
 def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
-    """Build the AutoencoderKL with released weights, computing in `dtype`. `source`: "ema" or "mse"
-    (stabilityai/sd-vae-ft-ema or -mse, downloaded into `cache_dir`, default default_cache_dir(),
-    when missing), a diffusers folder (config.json + diffusion_pytorch_model.safetensors or .bin),
-    or a weight file (with the config.json beside it, or else the SD VAE's configuration)."""
+    """The AutoencoderKL with released weights in `dtype`: `source` "ema" or "mse"
+    (stabilityai/sd-vae-ft-ema or -mse, downloaded into cache_dir), a diffusers folder, or a weight
+    file (config.json beside it, else the SD VAE's)."""
     if source in ("ema", "mse"):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
@@ -1719,10 +1612,8 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
 
 @dataclasses.dataclass
 class Dataset:
-    """A whole training set in (or memory-mapped from) host memory: pixels, uint8 (N, H, W, C), or
-    VAE latents as prepare_imagenet100.py writes them, float16 (N, 2, h, w, 2*C): axis 1 is [image,
-    its horizontal flip], the last [posterior mean (C), posterior std (C)] of the raw latent; the
-    Loader draws z = (mean + std * eps) * latent_scale afresh each time, as DiT's train.py does."""
+    """A training set in (or mapped into) host memory: uint8 pixels (N, H, W, C), or float16 latents
+    (N, 2, h, w, 2*C), axis 1 [image, flip], the last [mean, std]."""
     name: str
     x: np.ndarray
     labels: np.ndarray | None  # int (N,); None for unconditional data
@@ -1748,8 +1639,7 @@ class Dataset:
 
     @functools.cached_property
     def sigma_data(self) -> float:
-        """The data's standard deviation for EDM's preconditioning: 0.5 for pixels in [-1, 1] (as
-        Karras et al. take it); for latents, measured on up to 1,000 of them, the same every run."""
+        """The data's std for EDM: 0.5 for pixels, else measured on up to 1,000 latents."""
         if not self.is_latent:
             return 0.5
         rng = np.random.default_rng(0)
@@ -1759,15 +1649,14 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        """(H, W, C) of one model input: the image, or a sampled latent (half the channels)."""
+        """(H, W, C) of a model input."""
         if self.is_latent:  # x is (N, 2, h, w, 2C)
             return (*self.x.shape[2:4], self.x.shape[4] // 2)
         return tuple(self.x.shape[1:])
 
     def inputs(self, idx, flip, eps=None):
-        """Model inputs x float32 (B, H, W, C) and labels y int32 (B,) (zeros when unconditional)
-        of the samples idx (B,), mirrored where flip (B,) is true: pixels in [-1, 1], or latents
-        drawn with the noise eps (B, h, w, C)."""
+        """x float32 (B, H, W, C), y int32 (B,) of samples idx, mirrored where flip; latents drawn
+        with eps."""
         if self.is_latent:
             c = self.input_shape[-1]
             stats = np.asarray(self.x[idx, flip.astype(np.int64)], np.float32)  # (B, h, w, 2C)
@@ -1779,8 +1668,7 @@ class Dataset:
         return x, np.asarray(y, np.int32)
 
 def hold_out(n, k):
-    """(training indices, held-out indices) of n samples, k held out for the validation loss: by n
-    and k alone, not a run's seed, so that every run and architecture is validated alike."""
+    """(training, held-out) indices, k of n held out by n and k alone, alike in every run."""
     perm = np.random.default_rng(0).permutation(n)
     return np.sort(perm[k:]), np.sort(perm[:k])
 
@@ -1795,8 +1683,7 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432"}
 
 def _load_mnist(data_dir: str) -> Dataset:
-    """The official MNIST IDX files, plain or gzipped, through read_idx (section 23); the 10,000
-    test digits stand in when only they are there."""
+    """MNIST's IDX files; the test digits stand in when alone."""
     for split in ("train", "t10k"):
         images, labels = (next((p for p in (stem, stem + ".gz") if os.path.exists(p)), None)
                           for stem in (os.path.join(data_dir, f"{split}-images-idx3-ubyte"),
@@ -1826,9 +1713,7 @@ _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
 def _load_cifar10(data_dir: str) -> Dataset:
-    """The 50,000 training images of CIFAR-10's python release (five batches, batches.meta), from an
-    extracted cifar-10-batches-py/, else in one pass from cifar-10-python.tar.gz (downloaded if
-    missing); each unpickled by _unpickle_cifar, the archive read by _CappedGzip (section 23)."""
+    """CIFAR-10's 50,000 training images, extracted or from the (downloaded) archive."""
     for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
         if os.path.exists(os.path.join(where, "data_batch_1")):
             found = {}
@@ -1882,10 +1767,8 @@ IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".t
                     ".webp")
 
 def image_files(folder):
-    """(the images directly in `folder`, {each sub-folder: the images at any depth in it}), by name,
-    each list sorted; dit.py's 'folder' dataset, fid.py and prepare_imagenet100.py all walk here. An
-    image is a file whose name ends in IMAGE_EXTENSIONS (any case); names that start with "." are
-    hidden (macOS's ._ files, .ipynb_checkpoints) and skipped, files and folders alike."""
+    """(images directly in `folder`, {sub-folder: its images at any depth}), sorted; names starting
+    with "." are skipped."""
     def images(root, names):
         return [os.path.join(root, n) for n in names
                 if not n.startswith(".") and n.lower().endswith(IMAGE_EXTENSIONS)]
@@ -1902,9 +1785,8 @@ def image_files(folder):
     return [p for p in images(folder, names) if os.path.isfile(p)], subfolders
 
 def center_crop_arr(pil_image, image_size):
-    """Centre crop as ADM/DiT do (guided-diffusion image_datasets.py, used by DiT's train.py): halve
-    with a BOX filter while the short side is at least twice the target (cheap and alias-free),
-    BICUBIC-resize the short side to image_size, then cut the central square: uint8 (S, S, 3)."""
+    """ADM's and DiT's centre crop: BOX-halve, BICUBIC-resize the short side to image_size, cut the
+    centre: uint8 (S, S, 3)."""
     if not (isinstance(image_size, (int, np.integer)) and image_size > 0):
         raise ValueError(f"image_size must be a positive int, got {image_size!r}")
     # RGB first, as DiT's loader converts; PIL would otherwise resize palette images NEAREST
@@ -1920,9 +1802,8 @@ def center_crop_arr(pil_image, image_size):
     return arr[top:top + image_size, left:left + image_size]
 
 def load_image(path, size=None):
-    """Decode any file PIL reads (by its content, so a PNG named .JPEG works) as RGB, centre-cropped
-    to size x size if a size is given: (uint8 (H, W, 3), None), or (None, reason) for a broken file,
-    so that one bad image is reported rather than fatal (here and in prepare_imagenet100.py)."""
+    """(RGB uint8 (H, W, 3), None), cropped if `size`, or (None, reason) for a broken file:
+    reported, not fatal."""
     try:
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not halfway through the crop
@@ -1931,8 +1812,8 @@ def load_image(path, size=None):
         return None, f"{type(e).__name__}: {e}"
 
 def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
-    """Every image under data_dir (image_files), centre-cropped as ADM/DiT do if a resolution is
-    given: one sub-folder per class (labels follow the sorted names), or all loose, unlabelled."""
+    """Every image under data_dir, cropped to a resolution if given: a class per sub-folder, or
+    none."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"image folder {data_dir} does not exist")
     loose, subfolders = image_files(data_dir)
@@ -1986,8 +1867,7 @@ def _load_folder(data_dir: str, resolution: int | None) -> Dataset:
 
 # --- ImageNet-100 --------------------------------------------------------------
 def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
-    """What prepare_imagenet100.py writes: VAE latents (latents.npy) or pixels (images.npy, with
-    --pixels R), memory-mapped: they need not fit in memory; JSON through read_json (section 24)."""
+    """prepare_imagenet100.py's output, memory-mapped."""
     hint = (f"run `python prepare_imagenet100.py KAGGLE_DIR {data_dir}` on the Kaggle ImageNet-100 "
             f"download first (add --pixels 64 for pixel-space training), or pass --data-dir with "
             f"the folder it wrote")
@@ -2049,8 +1929,7 @@ def _load_imagenet100(data_dir: str, resolution: int | None) -> Dataset:
 
 # --- Load any ------------------------------------------------------------------
 def load_dataset(name: str, data_dir: str | None = None, resolution: int | None = None) -> Dataset:
-    """Load mnist, cifar10, folder or imagenet100 from data_dir (default: default_data_dir(name);
-    required for 'folder'); resolution crops a folder's images, and must be the others' own size."""
+    """mnist, cifar10, folder or imagenet100 from data_dir; resolution crops a folder's images."""
     if name == "folder":
         if data_dir is None:
             raise InputError("the 'folder' dataset needs a data_dir (--data-dir): a folder of "
@@ -2072,13 +1951,8 @@ def load_dataset(name: str, data_dir: str | None = None, resolution: int | None 
 
 # --- Loader --------------------------------------------------------------------
 class Loader:
-    """Endless stream of this process's share of each global batch, computed ahead by threads.
-
-    Every batch is a pure function of (seed, step): epoch e = step // steps_per_epoch shuffles
-    `subset` (the indices to draw from; default: all) with default_rng((seed, e)); step s's flips
-    and latent noise come from default_rng((seed, s, 1)), drawn for the whole global batch before
-    this process takes its slice. So a resumed run sees the batches it would have seen, k processes
-    together see what one would, and threads compute batches in parallel without changing them."""
+    """Endless stream of this process's share of each global batch, prefetched by threads; each
+    batch a pure function of (seed, step)."""
 
     def __init__(self, ds: Dataset, global_batch: int, seed: int, start_step: int = 0,
                  process_index: int = 0, process_count: int = 1, prefetch: int = 2, subset=None):
@@ -2102,7 +1976,7 @@ class Loader:
         self.prefetch, self._pool, self._closed = prefetch, None, False
 
     def indices(self, step: int) -> np.ndarray:
-        """Dataset indices of the whole global batch of this step. (G,)"""
+        """Dataset indices (G,) of this step's global batch."""
         epoch, position = divmod(step, self.steps_per_epoch)
         cached_epoch, perm = self._perm
         if cached_epoch != epoch:
@@ -2112,7 +1986,7 @@ class Loader:
         return perm[position * self.global_batch:(position + 1) * self.global_batch]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """This process's (x, y) of one step, as Dataset.inputs makes them."""
+        """This process's (x, y) of one step."""
         ds, G, local = self.ds, self.global_batch, self.local_slice
         rng = np.random.default_rng((self.seed, step, 1))
         flip, eps = np.zeros(G, bool), None
@@ -2140,7 +2014,7 @@ class Loader:
             yield item
 
     def close(self):
-        """Stop the background threads: batches not started are dropped, those under way finish."""
+        """Stop the threads; batches under way finish."""
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -2156,14 +2030,14 @@ class Loader:
 #################################################################################
 
 def to_host(x):
-    """A global array as one numpy array on this host, gathered from the hosts it spans."""
+    """A global array as one numpy array on this host."""
     if x.is_fully_addressable or x.is_fully_replicated:  # an explicit transfer, as jax counts it
         return jax.device_get(x.addressable_data(0) if x.is_fully_replicated else x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 def write_atomically(path, write):
-    """Write a file so that a crash at any instant leaves either the old file or the new one, whole;
-    a write that fails (a full disk) removes its temporary file."""
+    """Write `path` so that a crash leaves the old or the new file whole; a failure leaves no
+    temporary."""
     # Named per host and process: hosts that share a folder can have equal process ids.
     tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
@@ -2183,11 +2057,8 @@ def write_atomically(path, write):
         os.close(dir_fd)
 
 def save_checkpoint(run_dir, state, meta, keep, local_disks=False, keep_ema=()):
-    """Save the training state as checkpoints/step_XXXXXXX.npz, keep the newest `keep`, return its
-    path; at a step of `keep_ema`, its EMA weights also as ema/step_XXXXXXX.safetensors, which no
-    rotation deletes: the guides of autoguidance. Process 0 writes them (or each process, where
-    hosts share no disk: open_run). A failed write (full disk, read-only folder) stops all processes
-    with one line; older ones stay whole."""
+    """Save checkpoints/step_XXXXXXX.npz, keep the newest `keep`, return its path; at `keep_ema`'s
+    steps the EMA in ema/ too. A failed write ends all processes."""
     arrays = {name: to_host(leaf) for name, leaf in flatten(state).items()}  # every process joins
     step = int(arrays["step"])
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -2227,14 +2098,14 @@ def save_checkpoint(run_dir, state, meta, keep, local_disks=False, keep_ema=()):
     return path
 
 def list_checkpoints(run_dir):
-    """Finished checkpoints, oldest first (not the temporary files of an interrupted save)."""
+    """Finished checkpoints, oldest first."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
     return sorted(os.path.join(ckpt_dir, f) for f in names
                   if f.startswith("step_") and f.endswith(".npz"))
 
 def read_checkpoint(path, names=None):
-    """(metadata, arrays) of a checkpoint, through read_npz (section 23): only `names` if given."""
+    """(metadata, arrays) of a checkpoint; only `names` if given."""
     fix = "if it is the newest of a run that crashed, delete it to resume from the one before"
     try:
         arrays = read_npz(path, None if names is None else ["__meta__", *names])
@@ -2249,8 +2120,7 @@ def read_checkpoint(path, names=None):
     return meta, arrays
 
 def restore_state(arrays, abstract_state, shardings, what):
-    """Put checkpoint arrays into a state of the given structure and shardings, on however many
-    devices the current mesh has (a checkpoint from 8 devices loads on 1, and the reverse)."""
+    """Checkpoint arrays into a state of this structure and these shardings, on any device count."""
     names = flatten(abstract_state)
     missing = sorted(set(names) - set(arrays))
     if missing:
@@ -2273,8 +2143,8 @@ def sampled_params(model):
     return {k: v for k, v in named_params(model).items() if not k.startswith("sra_head.")}
 
 def export_ema(ckpt_path, out_path):
-    """The EMA weights alone, as .safetensors under the official PyTorch names and layouts, with the
-    model configuration in the metadata: small enough to share."""
+    """The EMA weights as .safetensors, official names and layouts, the configuration in the
+    metadata."""
     if not ckpt_path.endswith(".npz"):
         raise InputError(f"export takes a training checkpoint (.npz), not {ckpt_path}: `sample` "
                          f"reads the .safetensors and .pt files directly")
@@ -2314,8 +2184,8 @@ RECIPES = {
 PROFILE_STEPS = range(10, 15)
 
 class StepTrace:
-    """`train --profile DIR`: a jax.profiler trace of PROFILE_STEPS of a run that starts at step
-    `start`. Called before each step with the state, and once after the last."""
+    """`train --profile DIR`: traces PROFILE_STEPS after `start`; called before each step and after
+    the last."""
 
     def __init__(self, directory, start, steps):
         self.directory = directory
@@ -2337,11 +2207,8 @@ class StepTrace:
 STOP_CHECK_EVERY = 10
 
 class Stop:
-    """A stop after a whole step, with a checkpoint, on Ctrl-C (SIGINT, also a notebook's stop
-    button), SIGTERM (sent to a preempted TPU VM, or at a notebook session's end) or --time-limit
-    SECONDS after the start. Signal handlers are installed only inside `with Stop(...)`, then the
-    previous ones put back, as a notebook calls main() many times; a second Ctrl-C stops at once.
-    Off the main thread, where Python takes no signal handlers, only the time limit stops a run."""
+    """A stop after a whole step, with a checkpoint: Ctrl-C (twice: at once), SIGTERM, --time-limit.
+    Handlers only inside `with Stop(...)`."""
 
     def __init__(self, time_limit):
         self.start = time.monotonic()
@@ -2360,9 +2227,7 @@ class Stop:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def request(self, sig, frame):
-        """The signal handler. Python runs it in the main thread between two instructions, also
-        while that thread waits for the data loader, and after a jitted call returns. It only
-        notes the request: printing here could re-enter a write that it interrupted."""
+        """The signal handler; it only notes the request, as printing could re-enter a write."""
         if self.signal == sig == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = sig
@@ -2376,9 +2241,8 @@ class Stop:
         return [None, "reached --time-limit", "interrupted"][wanted]
 
     def last_step(self, start, done, steps):
-        """The step that a run begun at step `start` ends at: `steps`, or sooner where --time-limit
-        stops it at the speed since the start (compilation, evaluations and checkpoints included).
-        The progress bar's total, so that its ETA is the run's end."""
+        """The progress bar's total: `steps`, or where --time-limit will stop at the speed so
+        far."""
         now = time.monotonic()
         if self.deadline == math.inf:
             return steps
@@ -2386,8 +2250,7 @@ class Stop:
         return min(steps, done + int(left))
 
 def set_total(bar, total):
-    """A running tqdm bar's new total. The text bar reads it at each refresh; a notebook's widget
-    (tqdm.notebook, which tqdm.auto takes where ipywidgets is installed) keeps its own maximum."""
+    """A running tqdm bar's new total, a notebook widget's too."""
     bar.total = total
     if hasattr(bar, "container"):
         bar.container.children[1].max = total
@@ -2511,15 +2374,13 @@ def default_precision(device=None):
 # What the loop adds to section 6's training step: float16 loss scaling, the loss by noise level.
 
 def loss_scale_state(dtype):
-    """The loss scaling state that a float16 model's training adds to its state; none otherwise."""
+    """A float16 model's loss scaling state; none otherwise."""
     if dtype != jnp.float16:
         return {}
     return {"loss_scale": jnp.float32(2 ** 15), "good_steps": jnp.zeros((), jnp.int32)}
 
 def scaled_grad(loss_fn, state):
-    """loss_gradient, but a float16 state multiplies its loss by its loss scale before the backward
-    pass and divides the gradients by it after: below float16's smallest normal number, 6e-5, small
-    gradients would round to zero."""
+    """loss_gradient with float16's loss scale: below 6e-5, small gradients would round to zero."""
     scale = state.get("loss_scale", 1.0)
 
     def scaled(params):
@@ -2530,9 +2391,8 @@ def scaled_grad(loss_fn, state):
     return jax.tree.map(lambda g: g / scale, grads), aux
 
 def update_loss_scale(state, new_state, finite, period=2000):
-    """Dynamic loss scaling (Micikevicius et al. 2018): a step whose gradients overflowed is
-    skipped and the scale halved; after `period` good steps in a row the scale doubles. The step
-    count goes on either way, so that the data and random numbers stay those of step s."""
+    """Dynamic loss scaling (Micikevicius et al. 2018): an overflowed step is skipped, the scale
+    halved; `period` good steps double it. The step count goes on either way."""
     keep = {**jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state),
             "step": new_state["step"]}
     good = jnp.where(finite, state["good_steps"] + 1, 0)
@@ -2544,10 +2404,8 @@ LOSS_BINS = 4
 
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
                    masking=None, terms=()):
-    """The core's training step (make_train_step) as training runs it, jitted for the mesh (the
-    state keeps its shardings, the batch is split): with float16's loss scaling, the scale and the
-    skipped step in the metrics, and the per-sample losses summed and counted per LOSS_BINS range
-    of noise level. Its loss is TrainingLoss(masking, terms)'s; the terms' in the metrics' "aux"."""
+    """make_train_step jitted on the mesh, with TrainingLoss, float16's loss scaling and LOSS_BINS
+    losses by noise level."""
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
                                 gradient=scaled_grad, batch_losses=TrainingLoss(masking, terms))
 
@@ -2570,13 +2428,12 @@ def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, s
                    out_shardings=(shardings, None), donate_argnums=0)
 
 def make_mesh():
-    """A 1-D mesh "data" over all hosts' devices; Auto axes: jit lays out the intermediates."""
+    """A 1-D mesh "data" over all devices of all hosts."""
     return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 def state_shardings(abstract_state, mesh, fsdp):
-    """Data parallel: every device holds the whole state. FSDP (ZeRO-3): parameters, EMA and Adam
-    moments are split, each array along its largest dimension that the devices divide (else
-    replicated: odd biases, scalars); jit's partitioner gathers a layer's weights when needed."""
+    """The whole state on each device, or with fsdp each array split along its largest divisible
+    dimension."""
     n = mesh.devices.size
 
     def spec(shape):
@@ -2589,8 +2446,7 @@ def state_shardings(abstract_state, mesh, fsdp):
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a.shape)), abstract_state)
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
-    """(graphdef, state, shardings): the training state made in its shardings, never whole on one
-    device, or read from `checkpoint` without initialising first (twice the memory)."""
+    """(graphdef, state, shardings): the state made in its shardings, or read from `checkpoint`."""
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
@@ -2700,10 +2556,8 @@ def open_run(config, cfg, ds, objective, masking, terms):
     return checkpoint, meta, local_disks
 
 def copy_history(source, run_dir, step):
-    """Begin run_dir with the history of the run in `source` up to step `step`, so that `report`
-    draws the whole run: the records of its metrics.jsonl, one that names `source`, and the files
-    of steps up to `step` in samples/ (grids) and ema/ (kept EMA weights). `source` is only read: a
-    read-only copy will do (a Kaggle version's output). Returns the files copied, by folder."""
+    """Begin run_dir with `source`'s history up to `step` (metrics, samples/, ema/); `source` is
+    only read. Returns the files copied by folder."""
     path = os.path.join(source, "metrics.jsonl")
     kept = [r for r in read_metrics(path) if r["step"] <= step] if os.path.isfile(path) else []
     text = "".join(json.dumps(r) + "\n" for r in [*kept, {"step": step, "continues": source}])
@@ -2727,8 +2581,7 @@ def copy_history(source, run_dir, step):
 
 @contextlib.contextmanager
 def on_every_host():
-    """Where the block inside raises InputError (or OSError) on any process, raise it on every
-    process: the first failing process's message, naming that process, once all have run it."""
+    """An InputError or OSError of the block on any process, raised on every process."""
     error = None
     try:
         yield
@@ -2746,8 +2599,7 @@ def on_every_host():
         raise error
 
 def same_data_on_every_host(ds):
-    """Every host must read the same dataset: its size sets the data order and the held-out
-    images, its classes and shape the model; a host with another copy feeds other batches."""
+    """InputError unless every host reads the same dataset."""
     found = multihost_utils.process_allgather(np.array([len(ds), ds.num_classes,
                                                          *ds.input_shape], np.int32))
     if (found != found[0]).any():  # found: (processes, 5)
@@ -2757,9 +2609,8 @@ def same_data_on_every_host(ds):
                          f"host (--data-dir)")
 
 def run_dir_is_shared(run_dir):
-    """Whether all processes see one run directory (one host, or a filesystem the hosts share), not
-    a folder of that name on each host's disk (a TPU pod slice's). Process 0 writes a randomly named
-    file there for the others to find, which also finds an unwritable folder at once."""
+    """Whether all processes see one run directory: process 0 writes a probe for the others to
+    find."""
     # process 0's random name: a probe that a crashed run left behind is not taken for this one's
     token = np.random.default_rng().integers(2**31, dtype=np.int32)
     token = multihost_utils.broadcast_one_to_all(token)
@@ -2783,9 +2634,7 @@ def run_dir_is_shared(run_dir):
     return bool(seen.all())
 
 def agree_on_checkpoint(run_dir, checkpoint, automatic):
-    """The checkpoint every process resumes from, given the one each found. Where each host has its
-    own disk, a save that a crash interrupted may have finished on some hosts only: they go back to
-    the newest checkpoint that all have, kept by save_checkpoint until all hosts have the next."""
+    """The checkpoint all processes resume from; on a disk per host, the newest that all have."""
     name = os.path.basename(checkpoint or "")
     names = multihost_utils.process_allgather(np.int32(zlib.crc32(name.encode()) >> 1))
     if (names == names[0]).all():
@@ -2806,8 +2655,8 @@ def agree_on_checkpoint(run_dir, checkpoint, automatic):
 # --- Metrics -------------------------------------------------------------------
 
 class TensorBoard:
-    """metrics.jsonl's records and grids as TensorBoard events in RUN_DIR/tensorboard, by the
-    tensorboard package (in Colab and Kaggle; view: `%tensorboard --logdir runs`), else a note."""
+    """Records and grids as TensorBoard events in RUN_DIR/tensorboard, if tensorboard is
+    installed."""
 
     def __init__(self, run_dir, start):
         try:
@@ -2831,7 +2680,7 @@ class TensorBoard:
         self.writer.flush()
 
     def scalars(self, record):
-        """One scalar per number of the record; a nested figure (loss_t) as "loss_t/0.00-0.25"."""
+        """One scalar per number of the record, nested ones as "loss_t/0.00-0.25"."""
         if self.writer:
             flat = {key if name is None else f"{key}/{name}": v for key, value in record.items()
                     for name, v in (value.items() if isinstance(value, dict) else [(None, value)])}
@@ -2848,8 +2697,7 @@ class TensorBoard:
             self.write(step, [self.summary.Value(tag="samples", image=image)])
 
 def read_metrics(path):
-    """The records of a metrics.jsonl, each a dict with a whole "step". A line that a killed run cut
-    short, or that is not a record, is left out."""
+    """A metrics.jsonl's records, each with a whole "step"; other lines left out."""
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -2862,9 +2710,8 @@ def read_metrics(path):
     return records
 
 class MetricsLog:
-    """A run's metrics.jsonl, one JSON record per line, written by process 0. A run resumed at
-    `start` first drops later steps' records (and a line a crash cut short), so each step appears
-    once. Reading a loss waits for the device, so the metrics stay there until the interval ends."""
+    """A run's metrics.jsonl, written by process 0; a resumed run drops later records first. Metrics
+    stay on the device until flush."""
 
     def __init__(self, run_dir, start, batch_size, schedule):
         self.path, self.batch_size, self.schedule = (os.path.join(run_dir, "metrics.jsonl"),
@@ -2885,10 +2732,8 @@ class MetricsLog:
             self.board.scalars(record)
 
     def flush(self, done):
-        """Write the record of the steps since the last, up to step `done`: the objective's mean
-        loss, its mean over each range of t ("loss_t"), where the model is weak, and each auxiliary
-        term's ("aux"). Stop the run at a non-finite
-        loss or gradient, but for the overflowed steps that float16's loss scaling skips."""
+        """Write the record up to step `done`; stop at a non-finite loss or gradient but for
+        float16's skipped steps."""
         pending = jax.device_get(self.pending)  # of steps done - len + 1 ... done
         for i, m in enumerate(pending):
             if not (np.isfinite(m["loss"]) and (m.get("skipped") or np.isfinite(m["grad_norm"]))):
@@ -2936,7 +2781,7 @@ class Run:
     state: dict = dataclasses.field(repr=False)
 
 def params_line(model):
-    """"N parameters", and how many of them sampling reads where training reads more."""
+    """"N parameters", and those that sampling reads where fewer."""
     n, sampled = count_params(model), sum(v.size for v in sampled_params(model).values())
     return f"{n:,} parameters" + (f" ({sampled:,} at sampling)" if sampled != n else "")
 
@@ -3033,10 +2878,8 @@ def train(config):
 #################################################################################
 
 def model_of_metadata(path, meta, arrays, dtype):
-    """(abstract DiT, objective) that the metadata of the weight file `path` records: "model",
-    DiTConfig's fields, "objective", make_objective's arguments, and "latent_scale". A file can
-    claim anything, so they are checked first: a configuration that no DiT has, or more blocks than
-    the file has `arrays` (each block costs memory to build), is refused naming the file."""
+    """(abstract DiT, objective) that the file's metadata records, checked first: a file can claim
+    anything."""
     def refuse(problem):
         return InputError(f"{path}: {problem}; the file is damaged or was not written by dit.py")
     # each field as JSON gives it back: a float may be written as an int, a tuple as a list
@@ -3071,8 +2914,8 @@ def model_of_metadata(path, meta, arrays, dtype):
     return nnx.eval_shape(lambda: DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
 
 def load_model(path, dtype=jnp.float32):
-    """(model, objective, metadata) for sampling, from any of the three weight files: our training
-    checkpoint (.npz; its EMA weights), an exported .safetensors, or an official .pt."""
+    """(model, objective, metadata) of a training checkpoint (its EMA), an exported .safetensors or
+    an official .pt."""
     if path.endswith(".npz"):
         meta, arrays = read_checkpoint(path)
         ema = {name[len("ema."):]: a for name, a in arrays.items() if name.startswith("ema.")}
@@ -3099,8 +2942,8 @@ def load_model(path, dtype=jnp.float32):
             {"objective": {"name": "ddpm"}, "latent_scale": VAEConfig().scaling_factor})
 
 def load_guide(path, cfg, objective, latent_scale, model_path, dtype=jnp.float32):
-    """(model, metadata) in `path` that autoguides the model of configuration cfg, objective and
-    latent_scale in model_path: refused in one line naming both where it predicts another thing."""
+    """(model, metadata) in `path`, refused in one line where it cannot guide the model in
+    model_path."""
     guide, guide_objective, guide_meta = load_model(path, dtype)
     a, b = cfg, guide.cfg
     differ = [f"{k.replace('_', ' ')} {getattr(b, k)} against {getattr(a, k)}"
@@ -3120,7 +2963,7 @@ def load_guide(path, cfg, objective, latent_scale, model_path, dtype=jnp.float32
     return guide, guide_meta
 
 def to_uint8(images):
-    """Model-space images in [-1, 1] -> uint8, rounded as the official sample_ddp.py does."""
+    """Images in [-1, 1] -> uint8, rounded as the official sample_ddp.py."""
     return jnp.clip(127.5 * images + 128.0, 0, 255).astype(jnp.uint8)
 
 def make_grid(images):
@@ -3134,7 +2977,7 @@ def make_grid(images):
     return Image.fromarray(grid[..., 0] if c == 1 else grid)
 
 def save_grid(images, path):
-    """Save the grid of `images` as a PNG and return it (a notebook shows a returned image)."""
+    """Save the grid of `images` as a PNG and return it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     grid = make_grid(images)
     grid.save(path)
@@ -3155,10 +2998,8 @@ def load_decoder(source, channels, dtype):
     return vae
 
 class Sampler:
-    """Samples as uint8 images from a model's weights, jit-compiled once, over all devices of the
-    mesh: noise, labels and outputs are split along the batch; latents are decoded by the VAE when
-    given, at most DECODE_CHUNK per device at a time. `seconds` adds up the time of each stage.
-    `guide`, a model whose weights go to every device once, autoguides as sample() says."""
+    """uint8 samples from weights over the mesh, jitted once; latents decoded DECODE_CHUNK per
+    device at a time."""
 
     def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, guide=None,
                  **options):
@@ -3194,12 +3035,12 @@ class Sampler:
         self.seconds = {"sample": 0.0, "decode": 0.0, "Inception": 0.0}  # sample_and_score's
 
     def images(self, x):
-        """Model-space samples (B, H, W, C) -> uint8 images (B, H', W', 3 or 1) on this host."""
+        """Samples (B, H, W, C) -> uint8 images on this host."""
         return to_host(self.finish(self.vae_params, x))
 
     def __call__(self, params, noise, y, key):
-        """Images (B, H', W', C') of noise (B, H, W, C) and labels (B,), and with return_trajectory,
-        an animation's frames (F, B, H', W', C'): <= 60 evenly spaced steps, noise first."""
+        """Images of noise and labels; with return_trajectory, also <= 60 frames (F, B, ...), noise
+        first."""
         start = time.perf_counter()
         out = jax.block_until_ready(self.run(params, self.guide_params, noise, y, key))
         sampled = time.perf_counter()
@@ -3214,11 +3055,11 @@ class Sampler:
         return images
 
 def device_multiple(n):
-    """n rounded up to a multiple of the device count, so that a batch splits over the devices."""
+    """n rounded up to a multiple of the device count."""
     return math.ceil(n / jax.device_count()) * jax.device_count()
 
 def spread_labels(n, num_classes):
-    """Labels (n,) 0, 1, ..., K-1, 0, 1, ...: every class equally often (all 0 without classes)."""
+    """Labels (n,) 0, 1, ..., K-1, 0, 1, ...: every class equally often."""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
 # The guidance scale of FID samples (train --fid-cfg-scale, sample --fid, bench --fid): the paper's
@@ -3227,11 +3068,11 @@ FID_CFG_SCALE = 1.5
 GRID_CFG_SCALE = 4.0
 
 def count_label(n):
-    """A sample count as a figure's name gives it: 10K for 10,000 (FID-10K), 32 for 32 (FID-32)."""
+    """A sample count as figures name it: 10K, or 32."""
     return f"{n / 1000:g}K" if n and n % 1000 == 0 else f"{n:.0f}"
 
 def fid_module():
-    """fid.py, with FID's Inception network: the file beside this one, or its text run in a cell."""
+    """fid.py, beside this file or run in a cell."""
     try:
         import fid
     except ModuleNotFoundError as e:
@@ -3243,13 +3084,9 @@ def fid_module():
 
 def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, inception=None,
                      reference=None, save=None):
-    """(images (n, H, W, 3) uint8, labels (n,), scores): the one path from weights to FID of
-    training (Evaluator.fid), `sample --fid` and `bench --fid`, so that their figures compare.
-    Labels spread evenly over the classes (sample_ddp.py's random ones add variance to FID);
-    save(images, labels) where given, before the scoring, whose failure then loses no samples.
-    Scores, given `inception` or `reference`: fid.evaluate's against fid.load_reference's dict
-    (None: the Inception Score and the features alone). Every process holds all samples and feeds
-    its share; fid.py combines the statistics."""
+    """(uint8 images, labels, scores): the one path from weights to FID (training, sample, bench);
+    labels spread evenly, `save` before scoring, no scores without `inception` or `reference`. Each
+    process scores its share."""
     labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
@@ -3280,10 +3117,8 @@ def fid_record(scores):
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
 def validation_losses(model, objective, x0, y, key, n=None):
-    """Per-sample losses (len(VAL_TIMES), n) of the first n (default: all) held-out x0 (B, H, W, C),
-    labels y, at VAL_TIMES, noise from `key`; the rest of the batch pads it to a multiple of the
-    devices and is left out. The noise is drawn for the n alone: fixed for given weights and any
-    padding, so that evaluations, runs, models and device counts compare."""
+    """Losses (len(VAL_TIMES), n) of the first n held-out x0, noise from `key` for those n alone:
+    comparable figures."""
     n = len(x0) if n is None else n
     pad = [(0, len(x0) - n)] + [(0, 0)] * (x0.ndim - 1)
     losses = []
@@ -3295,8 +3130,8 @@ def validation_losses(model, objective, x0, y, key, n=None):
     return jnp.stack(losses)
 
 def reference_on_every_host(paths):
-    """(path, whether found): the first of `paths` (FID references, best first) that any process
-    has, which every process must then have, as FID runs on all; or the last, found by none."""
+    """(path, found): the first of `paths` that any process has, which all must have; else the
+    last."""
     if not paths:
         return None, False
     have = np.array([[os.path.isfile(p) for p in paths]], np.int32)  # (processes, len(paths))
@@ -3407,8 +3242,7 @@ def peak_flops(device):
     return next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
 
 def dit_flops(cfg):
-    """Forward FLOPs of one image (2 per multiply-add): the blocks' matrix products, attention and
-    the embedders. The paper's "Gflops" are multiply-adds, half of this (118.6 for DiT-XL/2)."""
+    """Forward FLOPs of one image, 2 per multiply-add."""
     T, D, p, M = (cfg.grid ** 2, cfg.hidden_size, cfg.patch_size,
                   int(cfg.hidden_size * cfg.mlp_ratio))
     # qkv, proj, mlp, attention scores and values, adaLN
@@ -3423,8 +3257,7 @@ def profiled(profile_dir, name):
             else contextlib.nullcontext())
 
 def timed(step, n, profile_dir, name):
-    """(seconds of the first call of `step`, which compiles it; seconds per call over the n calls
-    after it, traced as `name`)."""
+    """(seconds of the compiling first call; seconds per call of the n after, traced as `name`)."""
     start = time.perf_counter()
     jax.block_until_ready(step())
     compile_s = time.perf_counter() - start
@@ -3535,13 +3368,13 @@ def run_of(path):
     return folder if os.path.isfile(os.path.join(folder, "run.json")) else None
 
 def as_number(value):
-    """A logged figure as a float; NaN, a gap in a curve, where it is missing or None."""
+    """A logged figure as a float; NaN where missing."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return float(value) if ok else math.nan
 
 class RunRecords:
-    """A run directory as a report reads it: run.json's settings, and metrics.jsonl's records by
-    kind, each in step order: training, validation, FID during training, and `sample --fid`'s."""
+    """A run directory as a report reads it: run.json's settings, metrics.jsonl's records by
+    kind."""
 
     def __init__(self, run_dir):
         self.dir = run_dir
@@ -3579,8 +3412,8 @@ class RunRecords:
         return np.interp(steps, *self.hours) if axis == "hours" else steps
 
 def setting_option(settings, key):
-    """A run's setting as the option that gives it ("--arch dit+", "--no-ema-warmup"): "" for a
-    DiT+ switch that the run's --arch sets anyway, or a setting it lacks (which it had off)."""
+    """A run's setting as its option ("--arch dit+"), or "" where --arch implies it or it is
+    absent."""
     value, name = settings.get(key), "--" + key.replace("_", "-")
     if key == "masking":
         return (f"--mask-ratio {as_number(value.get('mask_ratio')):g} --mixer-depth "
@@ -3603,8 +3436,7 @@ def setting_option(settings, key):
     return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
 
 def run_labels(runs):
-    """Each run named by the options where its settings differ from the others'; by its folder's
-    name as well where that leaves it unnamed or named as another is."""
+    """Each run named by its options that differ, and its folder where not unique."""
     keys = list(dict.fromkeys(k for run in runs for k in run.settings))
     options = [{k: setting_option(run.settings, k) for k in keys} for run in runs]
     differ = [k for k in keys if len({o[k] for o in options}) > 1]
@@ -3614,8 +3446,7 @@ def run_labels(runs):
             for run, label in zip(runs, labels)]
 
 def smoothed(values, share=0.02):
-    """(N,) the mean of each value and those before it over `share` of the N: the trend of a noisy
-    figure (the training loss, images/s)."""
+    """(N,) the trailing mean over `share` of the values: a noisy figure's trend."""
     w = max(1, round(share * len(values)))
     total, i = np.concatenate([[0.0], np.cumsum(values)]), np.arange(1, len(values) + 1)
     return (total[i] - total[np.maximum(i - w, 0)]) / np.minimum(i, w)
@@ -3630,10 +3461,7 @@ SCORE_PANELS = ((("fid",), "FID"), (("sfid",), "sFID"), (("inception_score",), "
                 (("precision", "recall"), "Precision and Recall"))
 
 def report_panels(runs, axis):
-    """curves.png's rows of panels that some run has figures for: training; validation at each
-    noise level; FID and the other scores; guidance sweeps. A panel is (title, x label, y label,
-    [(run index, xs, ys, line options)], [legend entries]), the entries (label, line options) for
-    its own legend where a colour alone does not say what a line is."""
+    """curves.png's rows of panels: (title, x label, y label, lines, legend entries)."""
     xlabel = "hours of training" if axis == "hours" else "training steps"
     loss, val, speed = [], [], []
     for i, run in enumerate(runs):
@@ -3786,8 +3614,7 @@ def report_table(runs, labels, out, curves):
 
 @dataclasses.dataclass
 class Report:
-    """What `report` returns: the files it wrote, and the matplotlib Figure (for code that inspects
-    or restyles it). A notebook shows the figure as the cell's output."""
+    """What `report` returns: its files and the Figure, which a notebook shows."""
     markdown: str
     curves: str
     figure: object = dataclasses.field(repr=False)
@@ -4429,11 +4256,11 @@ def main(argv=None):
 #################################################################################
 
 class UnsafePickleError(InputError, pickle.UnpicklingError):
-    """A pickle asked for a global (class or function) that is not on the allow list."""
+    """A pickle named a global that is not allowed."""
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that reaches Python objects only through an explicit table: a pickle can call
-    any importable function (`os.system`) by naming it, and every name goes through find_class."""
+    """An unpickler that reaches globals only through `allowed`: a pickle can call any function by
+    name."""
 
     def __init__(self, fileobj, allowed, persistent_load, encoding):
         super().__init__(fileobj, encoding=encoding)
@@ -4452,8 +4279,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f"run.") from None
 
 def _read_at_most(f, n):
-    """Up to n bytes of f, read in pieces of 1 MiB: a count larger than the data really there
-    allocates no more than that data (a single read would allocate all n at once)."""
+    """Up to n bytes of f in 1 MiB reads: a false count allocates only what is there."""
     pieces = []
     while n > 0 and (piece := f.read(min(n, 1 << 20))):
         pieces.append(piece)
@@ -4461,15 +4287,9 @@ def _read_at_most(f, n):
     return b"".join(pieces)
 
 def safe_unpickle(fileobj, allowed, persistent_load=None, encoding="ASCII"):
-    """Unpickle the next pickle in `fileobj`, resolving a global `module.name` only as
-    `allowed[(module, name)]`, anything else raising UnsafePickleError. `persistent_load` handles
-    persistent ids (torch's tensor storages); Python 2's pickles (CIFAR-10's) need encoding="bytes"
-    or "latin1". A damaged pickle raises pickle.UnpicklingError.
-
-    The unpickler allocates what a pickle claims before reading it: a string's length (BINBYTES8),
-    or a zeroed memo twice the largest index stored into it (`LONG_BINPUT 2**30`: 16 GiB). Hence
-    the opcodes are read first, each count against the data really there, and a memo index may not
-    exceed the opcodes before it (a pickler numbers its entries in order)."""
+    """Unpickle the next pickle, globals only through `allowed` (else UnsafePickleError), storages
+    through `persistent_load`; a damaged one raises pickle.UnpicklingError. Opcodes are checked
+    before the unpickler allocates what they claim."""
     parts = []  # what genops reads, kept for the unpickler
 
     def keep(part):
@@ -4495,9 +4315,8 @@ _TORCH_STORAGE_DTYPES = {"DoubleStorage": np.float64, "FloatStorage": np.float32
                          "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
 
 class _Record:
-    """Base of the objects below, which a pickle can reach. The pickle BUILD instruction sets
-    attributes on any object it holds (through __setstate__, or the instance dict), which could
-    rewrite the shared storage types and corrupt every later load: refuse it."""
+    """Base of the objects a pickle can reach; refuses BUILD, which could rewrite the shared storage
+    types."""
     __slots__ = ()
 
     def __setstate__(self, state):
@@ -4513,15 +4332,14 @@ class _StorageType(_Record):
         self.name, self.dtype = name, np.dtype(_TORCH_STORAGE_DTYPES[name])
 
 class _Storage(_Record):
-    """A tensor storage named in the pickle; `data`, its 1-D array of numel elements, once read."""
+    """A tensor storage; `data`, its 1-D array, once read."""
     __slots__ = ("storage_type", "numel", "data")
 
     def __init__(self, storage_type, numel):
         self.storage_type, self.numel, self.data = storage_type, numel, None
 
 class _Tensor(_Record):
-    """What `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks
-    [, metadata])` rebuilds a tensor from, here only where its elements are, for _materialize."""
+    """Where a tensor's elements are, as torch's _rebuild_tensor_v2 gives them."""
     __slots__ = ("storage", "offset", "size", "stride")
 
     def __init__(self, storage, offset, size, stride, *_):
@@ -4540,8 +4358,8 @@ _TORCH_ALLOWED = {
 }
 
 def _storage_id(path, saved_id, file_size):
-    """Parse a persistent id ("storage", type, key, location, numel[, view]) and check it before
-    anything is allocated for the storage: it cannot hold more bytes than the whole file."""
+    """A persistent id ("storage", type, key, location, numel[, view]), checked: no storage larger
+    than the file."""
     if not (isinstance(saved_id, tuple) and len(saved_id) in (5, 6) and saved_id[0] == "storage"):
         kind = saved_id[0] if isinstance(saved_id, tuple) and saved_id else saved_id
         raise InputError(f"{path}: unsupported persistent id {reprlib.repr(kind)} (only tensor "
@@ -4561,7 +4379,7 @@ def _storage_id(path, saved_id, file_size):
     return storage_type, key, numel
 
 def _storage_array(storage, raw, little_endian):
-    """Raw bytes (as many as its callers checked) -> the storage's 1-D array (bfloat16 widened)."""
+    """Checked raw bytes -> the storage's 1-D array (bfloat16 widened)."""
     dtype = storage.storage_type.dtype.newbyteorder("<" if little_endian else ">")
     data = np.frombuffer(raw, dtype, count=storage.numel).astype(dtype.newbyteorder("="))
     if storage.storage_type.name == "BFloat16Storage":  # bfloat16 is the top half of a float32
@@ -4569,9 +4387,7 @@ def _storage_array(storage, raw, little_endian):
     return data
 
 def _materialize(path, obj, file_size):
-    """Replace every _Tensor in a nested structure by a numpy array (a copy, not a file view).
-    Any number of tensors can view one storage, a few bytes of pickle each; in a real file only
-    tied weights do, so the copies may add up to 8 times the file's size, no more."""
+    """Every _Tensor replaced by a numpy copy; all copies at most 8 times the file's size."""
     left = 8 * file_size
 
     def convert(obj):
@@ -4660,10 +4476,8 @@ def _load_torch_zip(path, archive, file_size):
     return safe_unpickle(io.BytesIO(raw), _TORCH_ALLOWED, persistent_load)
 
 def load_torch(path, legacy=None):
-    """Read a `torch.save` file without torch: nested dicts/lists with numpy arrays for the tensors
-    (bfloat16 widened to float32). The zip format (torch >= 1.6, e.g. the official DiT checkpoints);
-    the legacy one only with `legacy`, its reader (fid.py's, for pytorch-fid's Inception weights),
-    called as legacy(path, f, file_size) with `f` past the magic number."""
+    """A torch.save file without torch: containers of numpy arrays (bfloat16 as float32); the legacy
+    format only through `legacy(path, f, file_size)`, f past the magic number."""
     def not_torch(why):
         return InputError(f"{path}: not a PyTorch file ({why}): neither a zip archive nor a legacy "
                           f"torch.save pickle; pass the file that torch.save wrote")
@@ -4713,10 +4527,8 @@ def load_torch(path, legacy=None):
 _DEFLATE_MAX_RATIO = 1032
 
 def read_npz(path, names=None):
-    """{name: array} of an .npz file (numpy.savez's zip of .npy files): every array, or those of
-    `names` that it holds (the others are left out, so that the caller can say what is missing).
-    Not np.load, which allocates what an array's header claims before reading it, and reads zip
-    entries that overlap; numpy's read_array reads each array once its claims are checked."""
+    """{name: array} of an .npz: all, or those of `names` that it holds; headers checked against the
+    bytes first."""
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         try:
@@ -4741,7 +4553,7 @@ def read_npz(path, names=None):
                              f"damaged or not numpy.savez's output, write it again") from None
 
 def _read_npy_member(path, archive, info, name):
-    """One .npy entry of an .npz, its header checked against the entry's size before it is read."""
+    """One .npy entry of an .npz, its header checked first."""
     ratios = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: _DEFLATE_MAX_RATIO}
     ratio = ratios.get(info.compress_type)
     if ratio is None:
@@ -4773,10 +4585,8 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
                        "U8": np.uint8, "BOOL": np.bool_}
 
 def read_safetensors(path):
-    """Read a .safetensors file with numpy: an 8-byte little-endian header length, a JSON header
-    mapping each name to {dtype, shape, data_offsets} (and "__metadata__" to strings), then the raw
-    little-endian bytes. Returns (tensors, metadata); BF16 comes back as float32. Tensors are
-    copies, so spans that overlap are refused: they could add up to any multiple of the file."""
+    """(tensors, metadata) of a .safetensors file; BF16 as float32. Overlapping spans are
+    refused."""
     def bad(problem):
         return InputError(f"{path} is not a readable safetensors file: {problem}. If it was "
                           f"downloaded, it may be incomplete; delete it and fetch it again.")
@@ -4825,7 +4635,7 @@ def read_safetensors(path):
     return tensors, metadata
 
 def write_safetensors(f, tensors, metadata):
-    """Write float32 `tensors` and string `metadata` to the open file f in .safetensors format."""
+    """Write float32 `tensors` and string `metadata` to f as .safetensors."""
     header, offset = {"__metadata__": metadata}, 0
     for name, t in tensors.items():
         nbytes = 4 * int(np.prod(np.shape(t)))
@@ -4842,8 +4652,7 @@ def write_safetensors(f, tensors, metadata):
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file, gzipped or not: two zero bytes, an element type code, the number of
-    dimensions, one big-endian uint32 per dimension, then the elements in C order."""
+    """An IDX file's array, gzipped or not, its header checked against the file's size."""
     fix = "delete it and download it again"
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -4880,9 +4689,8 @@ _CIFAR_MAX_BYTES = 1 << 28  # the official archive unpacks to 186 MB
 _ARRAY_CLASS = object()  # what numpy.ndarray stands for in the pickles: only _empty_array takes it
 
 def _empty_array(cls, shape, dtype):
-    """numpy's _reconstruct as the pickle of an array calls it: an empty array, which the pickle
-    then fills (ndarray.__setstate__) from bytes that it holds. Any other shape, or a call of
-    numpy.ndarray itself, would allocate whatever a few bytes of pickle ask for."""
+    """numpy's _reconstruct for a pickled array: only an empty one, which the pickle fills from its
+    bytes."""
     if cls is not _ARRAY_CLASS or shape != (0,):
         raise pickle.UnpicklingError(f"an array made as {reprlib.repr(shape)}, which numpy's "
                                      f"pickles never do")
@@ -4894,8 +4702,7 @@ _CIFAR_PICKLE_GLOBALS = {("numpy.core.multiarray", "_reconstruct"): _empty_array
                          ("numpy", "ndarray"): _ARRAY_CLASS, ("numpy", "dtype"): np.dtype}
 
 class _CappedGzip(gzip.GzipFile):
-    """A gzip file that refuses to read past `limit` uncompressed bytes: tarfile allocates what a
-    header claims, and a few kilobytes of gzip can expand to gigabytes."""
+    """A gzip file that refuses to read past `limit` bytes: tarfile allocates what headers claim."""
 
     def __init__(self, path, limit):
         super().__init__(path, "rb")
@@ -4927,7 +4734,7 @@ def _unpickle_cifar(f, where: str) -> dict:
 #################################################################################
 
 def read_json(path, valid, expected, fix):
-    """The JSON in `path`, which `valid(obj)` must accept; a damaged file fails here, with `fix`."""
+    """The JSON in `path`, which `valid` must accept; else InputError with `fix`."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -4942,8 +4749,7 @@ def default_cache_dir():
     return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
 
 def download(url, path, digest=None, algorithm="sha256"):
-    """Fetch url into path through write_atomically, verified against the published digest when
-    one is given: an interrupted or damaged download never passes for the real file."""
+    """Fetch url into path atomically, checked against `digest` if given."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     hasher = hashlib.new(algorithm)
 
