@@ -117,8 +117,8 @@ DIT_SIZES = {"S": dict(hidden_size=384, depth=12, num_heads=6),
              "XXS": dict(hidden_size=128, depth=6, num_heads=4)}  # the MNIST demo's
 
 class InputError(ValueError):
-    """What the user gave (a file, folder, path, option or the data in them) cannot be used: the
-    message names it and says what to do (section 21 shows it as one line)."""
+    """What the user gave (a file, folder, option, data) cannot be used; the message says what to
+    do."""
 
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
@@ -381,10 +381,10 @@ class DiT(nnx.Module):
 
     def forward_with_cfg(self, x, t, y, cfg_scale, guidance_channels=None, interval=None,
                          guide=None, predict=None):
-        """Classifier-free guidance (Ho & Salimans 2022) in one call: labels, then null labels, the
-        first half of x serving both; both get uncond + cfg_scale * (cond - uncond) on the first
-        `guidance_channels` (None: all but a learned variance), where t lies in `interval`. `guide`
-        (prediction, w) adds (w - 1) * (cond - guide); `predict` replaces the model."""
+        """Classifier-free guidance (Ho & Salimans 2022): x's first half with labels and with
+        null labels, uncond + cfg_scale * (cond - uncond) on `guidance_channels` (None: all but a
+        learned variance) where t is in `interval`; `guide` (prediction, w) adds (w - 1) * (cond
+        - guide)."""
         half = x[: x.shape[0] // 2]
         out = (predict or self)(jnp.concatenate([half, half]), t, y)  # (2B, H, W, C_out)
         C = self.cfg.in_channels
@@ -640,8 +640,8 @@ class GaussianDiffusion:
 #################################################################################
 
 class RectifiedFlow:
-    """Rectified flow (Liu et al. 2022; Lipman et al. 2023): x_t = (1 - t) x_0 + t eps, the network
-    regressing eps - x_0 at 1000 * t, t logit-normal (as SD3) or uniform."""
+    """Rectified flow (Liu et al. 2022): x_t = (1 - t) x_0 + t eps, the network regressing
+    eps - x_0 at 1000 t; t logit-normal (as SD3) or uniform."""
 
     name, learn_sigma, SETTINGS = "rf", False, ("timestep_sampling", "loc", "scale")
     # Its samplers; by default Heun at 25 steps, 50 network calls, second order (test_dit.py's
@@ -790,9 +790,8 @@ def check_guidance(cfg, cfg_scale, internal_scale=1.0):
 def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, guidance_channels=None,
            interval=None, guide=None, guide_scale=1.0, internal_scale=1.0,
            return_trajectory=False):
-    """Samples (B, H, W, C) from noise and labels y (B,), with CFG (cfg_scale != 1, with classes),
-    autoguidance by `guide` at guide_scale w (Karras et al. 2024; App. B.2), guide + w *
-    (model - guide), and internal guidance at internal_scale w, internal + w * (final - internal).
+    """Samples (B, H, W, C) from noise and labels (B,), guided by CFG, by `guide` (autoguidance,
+    Karras et al. 2024: guide + w (model - guide)) and internally (internal + w (final - internal)).
     Pure; jit it."""
     check_guidance(model.cfg, cfg_scale, internal_scale)
     n = noise.shape[0]
@@ -1562,9 +1561,8 @@ def vae_dtype(precision):
     return jnp.float32 if precision == "fp16" else compute_dtype(precision)
 
 def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
-    """The AutoencoderKL with released weights in `dtype`: `source` "ema" or "mse"
-    (stabilityai/sd-vae-ft-ema or -mse, downloaded into cache_dir), a diffusers folder, or a weight
-    file (config.json beside it, else the SD VAE's)."""
+    """The AutoencoderKL in `dtype` from `source`: "ema" or "mse" (the released SD VAEs,
+    downloaded), a diffusers folder, or a weight file."""
     if source in ("ema", "mse"):
         folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
         for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
@@ -2272,8 +2270,8 @@ def duration(text):
 KAGGLE_WORKING, COLAB_DRIVE = "/kaggle/working", "/content/drive"
 
 def session_notes(run_dir, time_limit, platform, environ):
-    """The lines that tell a run in a Kaggle or Colab notebook (by `environ`) what its session's end
-    would take: a deleted run directory, a --time-limit too long. None elsewhere."""
+    """The notes for a run in a Kaggle or Colab notebook (by `environ`) that its session's end
+    would lose."""
     within = lambda root: os.path.abspath(run_dir).startswith(root + os.sep)  # noqa: E731
     if environ.get("KAGGLE_KERNEL_RUN_TYPE"):
         name, hours = "Kaggle", 9 if platform == "tpu" else 12
@@ -2296,8 +2294,8 @@ def session_notes(run_dir, time_limit, platform, environ):
     return notes
 
 def setup_distributed(config):
-    """Join the other processes of a multi-host run: by --coordinator/--num-processes/--process-id,
-    or as a launcher (SLURM, Open MPI, a TPU pod slice) set them up in the environment."""
+    """Join a multi-host run's processes: as --coordinator, --num-processes and --process-id say,
+    or as a launcher's environment does (SLURM, Open MPI, a TPU pod slice)."""
     launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1
                 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
                 or os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost")
@@ -2311,9 +2309,8 @@ def setup_distributed(config):
 CPU_SHARE = 8
 
 def split_cpu(batch_size):
-    """On a CPU, one JAX device per core, each with an equal share of at least CPU_SHARE samples:
-    one program per core keeps them all busy (README, Speed). Only where neither the user nor a
-    multi-host launch chose the devices, and before JAX starts its backends."""
+    """One JAX device per CPU core, each with at least CPU_SHARE samples of the batch, unless the
+    user or a multi-host launch chose the devices (README, Speed)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     count = max(n for n in range(1, (cores or 1) + 1)
                 if batch_size % n == 0 and (n == 1 or batch_size // n >= CPU_SHARE))
@@ -2324,8 +2321,7 @@ def split_cpu(batch_size):
             jax.config.update("jax_num_cpu_devices", count)
 
 def use_compile_cache(directory):
-    """JAX's persistent compilation cache in `directory` ("": none), every program kept, so that a
-    run started again compiles nothing. Reset, as JAX reads the settings at the first compilation."""
+    """JAX's persistent compilation cache in `directory` ("": none), keeping every program."""
     compilation_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", bool(directory))
     if directory:
@@ -2339,8 +2335,7 @@ def check_batch_size(batch_size):
                          f"devices; use a multiple of {jax.device_count()}")
 
 def model_switches(config):
-    """--arch's switches, each where its own option leaves it open, and internal guidance's block
-    (8 of 28 scaled to the depth) where it is on."""
+    """--arch's switches where not given, and internal guidance's block (8 of 28 of the depth)."""
     depth, block = DIT_SIZES[config.size]["depth"], config.internal_block
     return {**{k: on if getattr(config, k) is None else getattr(config, k)
                for k, on in ARCHS[config.arch].items()},
@@ -2362,8 +2357,8 @@ def compute_dtype(precision):
     return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision]
 
 def default_precision(device=None):
-    """The compute precision a device runs fast and right: bf16 on TPUs and NVIDIA GPUs from Ampere
-    on, fp16 (with loss scaling) on older NVIDIA GPUs, which emulate bf16; fp32 on CPUs."""
+    """bf16 on TPUs and NVIDIA GPUs from Ampere on, fp16 (loss-scaled) on older ones, fp32 on
+    CPUs."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return "fp32"
@@ -2498,9 +2493,9 @@ def auxiliary_terms(config, cfg):
     return tuple(terms)
 
 def open_run(config, cfg, ds, objective, masking, terms):
-    """(checkpoint to resume from or None, checkpoint metadata, whether each host keeps its own
-    run directory), with the run directory ready: a new one gets run.json and, after --resume from
-    another run, that run's history; an existing one must hold the same run."""
+    """(checkpoint to resume or None, checkpoint metadata, whether each host keeps its own run
+    directory). A new run directory gets run.json, and --resume's run's history; an existing one
+    must hold the same run."""
     record = {**dataclasses.asdict(config), "dataset_size": len(ds), "num_classes": ds.num_classes,
               "masking": dataclasses.asdict(masking) if masking else None,
               "terms": {t.name: dataclasses.asdict(t) for t in terms} or None}
@@ -2771,7 +2766,8 @@ class MetricsLog:
 
 @dataclasses.dataclass
 class Run:
-    """What training returns, shown as one line in a notebook; `state` for code that goes on from it."""
+    """What training returns, shown as one line in a notebook; `state` for code that goes on from
+    it."""
     run_dir: str
     step: int
     loss: float | None
@@ -2795,7 +2791,8 @@ def train(config):
     mesh = make_mesh()
     check_batch_size(config.batch_size)
     if jax.process_index() == 0:  # told first, before the data and the model take their time
-        for note in session_notes(config.run_dir, config.time_limit, jax.default_backend(), os.environ):
+        for note in session_notes(config.run_dir, config.time_limit, jax.default_backend(),
+                                  os.environ):
             print(note)
     with on_every_host():
         ds = load_dataset(config.dataset, config.data_dir, config.resolution)
@@ -2812,10 +2809,12 @@ def train(config):
     stop = Stop(config.time_limit)  # the time limit counts from here
     checkpoint, meta, local_disks = open_run(config, cfg, ds, objective, masking, terms)
     graphdef, state, shardings = init_state(cfg, tx, config.seed, mesh, config.fsdp,
-                                            compute_dtype(config.precision), config.remat, checkpoint)
+                                            compute_dtype(config.precision), config.remat,
+                                            checkpoint)
     start = int(to_host(state["step"]))
     trace = StepTrace(config.profile, start, config.steps)
-    print(f"DiT-{config.size}/{config.patch} on {config.dataset} ({len(ds)} samples, input {H}x{W}x{C}, "
+    print(f"DiT-{config.size}/{config.patch} on {config.dataset} ({len(ds)} samples, input "
+          f"{H}x{W}x{C}, "
           f"{ds.num_classes} classes): {params_line(nnx.merge(graphdef, state['params']))}, "
           f"{jax.device_count()} devices, {jax.process_count()} processes, "
           f"{config.precision}")
@@ -2823,7 +2822,8 @@ def train(config):
     # Deferred masking's step before --unmask-at, the step on every patch after it (and throughout
     # without masking), each compiled at its first step.
     masked, whole = (jit_train_step(graphdef, objective, tx, config.ema_decay, config.ema_warmup,
-                                    config.seed, mesh, shardings, m, terms) for m in (masking, None))
+                                    config.seed, mesh, shardings, m, terms)
+                     for m in (masking, None))
     unmask_at = config.steps if config.unmask_at is None else config.unmask_at
     evaluator = Evaluator(config, cfg, graphdef, objective, mesh, ds, held_out)
 
@@ -2832,7 +2832,8 @@ def train(config):
     batch, stopped = NamedSharding(mesh, P("data")), None
     with (stop, tqdm(range(start, config.steps), initial=start, total=config.steps,
                      disable=jax.process_index() != 0) as bar,
-          Loader(ds, config.batch_size, config.seed, start, jax.process_index(), jax.process_count(),
+          Loader(ds, config.batch_size, config.seed, start, jax.process_index(),
+                 jax.process_count(),
                  subset=train_idx) as loader):
         for step, (x, y) in zip(bar, loader):
             trace(step, state)
@@ -2865,7 +2866,8 @@ def train(config):
             evaluator.fid(state["ema"], config.steps, config.final_fid, log)
         # on each host that keeps checkpoints, so that `sample` can run on all as training did
         if (local_disks or jax.process_index() == 0) and list_checkpoints(config.run_dir):
-            out = export_ema(list_checkpoints(config.run_dir)[-1], f"{config.run_dir}/ema.safetensors")
+            out = export_ema(list_checkpoints(config.run_dir)[-1],
+                             f"{config.run_dir}/ema.safetensors")
             if jax.process_index() == 0:
                 print(f"finished {config.steps} steps in {time.monotonic() - stop.start:.0f} s: "
                       f"grids in {config.run_dir}/samples, EMA weights in {out}"
@@ -3084,9 +3086,8 @@ def fid_module():
 
 def sample_and_score(sampler, params, n, batch_size, shape, num_classes, seed, inception=None,
                      reference=None, save=None):
-    """(uint8 images, labels, scores): the one path from weights to FID (training, sample, bench);
-    labels spread evenly, `save` before scoring, no scores without `inception` or `reference`. Each
-    process scores its share."""
+    """(uint8 images, labels, scores): the one path from weights to FID; labels spread evenly,
+    `save` before scoring; each process scores its share."""
     labels = spread_labels(n, num_classes)
     chunks = []
     for i in tqdm(range(math.ceil(n / batch_size)), desc="sampling",
@@ -3269,8 +3270,8 @@ def timed(step, n, profile_dir, name):
         return compile_s, (time.perf_counter() - start) / n
 
 def bench(config):
-    """Speed with random weights on synthetic data: the training step (with masking and with each
-    term too), the forward pass and, with --fid N, FID-N end to end. Returns figures."""
+    """Speed with random weights: the training step (and with masking, with each term), the forward
+    pass, and FID-N end to end. Returns figures."""
     config = start_devices(checked(config), config.batch_size)
     mesh = make_mesh()
     check_batch_size(config.batch_size)
@@ -3304,7 +3305,8 @@ def bench(config):
     gib = lambda mem: f"{mem / 2**30:.2f} GiB" if mem else "n/a"  # noqa: E731
     # The masked step first: the peak memory is the largest since the start.
     if masking:
-        masked_compile_s, masked_s = timed(stepping(masked_fn), config.steps, config.profile, "masked")
+        masked_compile_s, masked_s = timed(stepping(masked_fn), config.steps, config.profile,
+                                           "masked")
         masked_mem = memory()
     compile_s, seconds = timed(stepping(step_fn), config.steps, config.profile, "train")
 
@@ -3318,7 +3320,8 @@ def bench(config):
         return ", ".join(f"{k // 1000}K steps {k * seconds / 3600:,.1f} h"
                          for k in (100_000, 400_000))
 
-    print(f"DiT-{config.size}/{config.patch} {config.image_size}x{config.image_size}x{config.channels}, "
+    print(f"DiT-{config.size}/{config.patch} "
+          f"{config.image_size}x{config.image_size}x{config.channels}, "
           f"global batch {n}, {config.arch}, {config.precision}"
           f"{f', remat {config.remat}' if config.remat else ''}"
           f"{', fsdp' if config.fsdp else ''}, {jax.device_count()} x {device.device_kind}")
@@ -3682,7 +3685,8 @@ except InputError as e:
     raise
 
 def run_cli(main, argv=None):
-    """Run `main(argv)`: the user's mistake exits with one line on stderr; a bug keeps its traceback."""
+    """Run `main(argv)`: the user's mistake exits with one line on stderr; a bug keeps its
+    traceback."""
     try:
         return main(argv)
     except (InputError, OSError) as e:
@@ -3725,8 +3729,8 @@ float_list = _parsed(lambda text: list(map(float, text.split(","))), "comma-sepa
 int_list = _parsed(lambda text: list(map(int, text.split(","))), "comma-separated whole numbers")
 
 def option(default=None, help=None, *, run=False, **words):
-    """A field of a command's configuration: its default, its --help text and argparse's words for
-    it (type, choices, nargs, action, ...); run=True where it defines a run (a resume keeps it)."""
+    """A configuration field: default, --help text, argparse's words; run=True if it defines a
+    run."""
     return dataclasses.field(default=default, metadata=dict(help=help, run=run, **words))
 
 def redefault(cls, name, default):
@@ -3873,8 +3877,8 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):
     fid_guidance_interval: tuple[float, float] | None = option(
         None, "guide FID samples only for timesteps in [T_LO, T_HI] (0..1000 scale)", type=float,
         nargs=2, metavar=("T_LO", "T_HI"))
-    fid_guide: str | None = option(None, "autoguide FID samples by these weights (e.g. a guide that "
-                                   "`sample --fid` chose from RUN/ema/)")
+    fid_guide: str | None = option(None, "autoguide FID samples by these weights (e.g. a guide "
+                                   "that `sample --fid` chose from RUN/ema/)")
     fid_guide_scale: float = option(1.0, "autoguidance's weight for FID samples (1: none)",
                                     type=float)
     fid_ref: str | None = option(None, "reference batch or statistics .npz (imagenet100: "
@@ -3886,7 +3890,8 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):
                                        off="compile every program anew")
     profile: str | None = option(None, f"write a jax.profiler trace of steps "
                                  f"{PROFILE_STEPS.start + 1} to {PROFILE_STEPS.stop} of this "
-                                 f"process to DIR (TensorBoard or Perfetto opens it)", metavar="DIR")
+                                 f"process to DIR (TensorBoard or Perfetto opens it)",
+                                 metavar="DIR")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SampleConfig(HostOptions, WeightOptions):
@@ -3901,7 +3906,8 @@ class SampleConfig(HostOptions, WeightOptions):
     sampler: str | None = option(None, "; ".join(f"{name}: {' or '.join(o.METHODS)} (default "
                                                  f"{o.default_method})"
                                                  for name, o in OBJECTIVES.items()),
-                                 choices=sorted({m for o in OBJECTIVES.values() for m in o.METHODS}))
+                                 choices=sorted({m for o in OBJECTIVES.values()
+                                                 for m in o.METHODS}))
     guidance_channels: str = option("all", "guide all channels, or the first 3 as the official FID "
                                     "figures were computed", choices=["all", "3"])
     guidance_interval: tuple[tuple[float, float], ...] | None = option(
@@ -3974,14 +3980,12 @@ class ReportConfig:
 RUN_DEFINING = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["run"])
 
 def run_settings(record):
-    """The entries of a run.json that define its run: RUN_DEFINING's, and those that no option
-    gives (the data's size and classes; the masking and terms that the options made)."""
+    """run.json's entries that define its run: RUN_DEFINING's, and what no option gives."""
     return {k: v for k, v in record.items()
             if k in RUN_DEFINING or k not in TrainConfig.__dataclass_fields__}
 
 def with_defaults(config):
-    """The run that `config` gives: the dataset's recipe (RECIPES) where it leaves a setting
-    open, then what follows from the others (intervals, the run directory, the model's switches)."""
+    """`config` with what it leaves open filled in: the dataset's recipe, then what follows."""
     c = dataclasses.replace(config, **{k: v for k, v in RECIPES[config.dataset].items()
                                        if getattr(config, k) is None})
     run_dir = c.run_dir or os.path.join("runs", f"{c.dataset}-DiT-{c.size}-{c.patch}")
@@ -4061,13 +4065,11 @@ def command_line(config):
     return words + last
 
 def checked(config):
-    """`config` as its command line reads it: a notebook's wrong type or value ends in the one
-    line that the command line's would."""
+    """`config` as its command line parses: a wrong value ends in the same one line."""
     return parse(command_line(config))
 
 def start_devices(config, batch_size):
-    """`config` with its precision set, once JAX has its devices: a multi-host run's processes
-    joined, a CPU split for `batch_size` (split_cpu)."""
+    """`config` with its precision, once the hosts are joined and a CPU split (split_cpu)."""
     if isinstance(config, HostOptions):
         setup_distributed(config)  # before anything else starts jax's backend
     split_cpu(batch_size)
@@ -4084,8 +4086,8 @@ def recipes_table():
         "\n  ".join(lines)
 
 def sample_command(config):
-    """`python dit.py sample`: a grid, or FID-N samples and scores for each guidance setting of
-    the sweep, all from the same noise; a run's scores join its metrics.jsonl for `report`."""
+    """`python dit.py sample`: a grid, or FID-N samples and scores of each guidance setting, all
+    from the same noise; scores join the run's metrics.jsonl."""
     config = checked(config)
     config = start_devices(config, config.batch_size if config.fid else config.n)
     mesh = make_mesh()

@@ -3963,7 +3963,8 @@ def test_parser_built_from_the_configuration_keeps_every_option_and_default():
 def readme_commands():
     """The words after `dit.py` of each `python dit.py ...` command in the README: continued lines
     and inline code joined, a shell variable's command (S="python dit.py ...") where it is used
-    ($S --ckpt ...), comments, redirections and quotes cut; but for those elided with `...` and --help."""
+    ($S --ckpt ...), comments, redirections and quotes cut; but for those elided with `...` and
+    --help."""
     with open(os.path.join(HERE, "README.md")) as f:
         parts = f.read().replace("\\\n", " ").split("```")
     # prose (the even parts) with each inline `code` on one line; code blocks as they are
