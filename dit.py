@@ -3814,8 +3814,8 @@ class HostOptions:
     process_id: int | None = option(None, "this process's index, from 0", type=non_negative_int)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig(HostOptions, WeightOptions, ModelOptions):
-    """train a DiT (the default command); None leaves a setting to the recipe (RECIPES)"""
+class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defaults fills it in
+    """train a DiT (the default command)"""
     dataset: str = option("mnist", "what to train on; its recipe (below) gives the defaults",
                           choices=["mnist", "cifar10", "imagenet100", "folder"], run=True)
     data_dir: str | None = option(None, "where the dataset is (downloaded there when missing, for "
