@@ -3720,7 +3720,7 @@ README_RUNS = {
                                 "masking 0.75, then every patch": "masked-75-unmask"},
     "**Judged on CIFAR-10, at equal wall-clock.**": {
         "DiT+": "repr-dit+", "dispersive loss": "repr-dispersive", "SRA": "repr-sra",
-        "internal guidance": "repr-internal"}}
+        "internal guidance": "repr-internal", "internal guidance and SRA": "repr-pair"}}
 
 @pytest.mark.parametrize("heading", README_RUNS)
 def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
