@@ -2985,10 +2985,8 @@ def save_grid(images, path):
     grid.save(path)
     return grid
 
-# Images each device decodes at a time. The SD VAE decoder's largest activation, the 256-channel
-# input of its last level at 256x256, is 64 MiB per image in float32 (500 asked for 31 GiB at once);
-# with what is live beside it, XLA's CPU compiler assigns 224 MiB per image. 32, the official
-# sample_ddp.py's batch per GPU: about 7 GiB in float32, half in bfloat16, at any sampling batch.
+# Images each device decodes at a time, so that decoding's memory stays bounded whatever the
+# sampling batch (README, Speed); 32 is the official sample_ddp.py's batch per GPU.
 DECODE_CHUNK = 32
 
 def load_decoder(source, channels, dtype):
@@ -4017,6 +4015,7 @@ def add_options(parser, config_class):
                                 action="store_const", const="", help=f.metadata["off"])
 
 def build_parser():
+    """The command line's parser: a sub-command per configuration class, an option per field."""
     recipes = argparse.RawDescriptionHelpFormatter
     parser = OneLineParser(
         prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
@@ -4024,10 +4023,9 @@ def build_parser():
                     "report on runs; `dit.py COMMAND --help` lists a command's options.")
     sub = parser.add_subparsers(dest="command")
     for name, config_class in COMMANDS.items():
-        train = name == "train"
-        add_options(sub.add_parser(name, help=config_class.__doc__,
-                                   formatter_class=recipes, epilog=recipes_table() if train
-                                   else None), config_class)
+        epilog = recipes_table() if name == "train" else None
+        add_options(sub.add_parser(name, help=config_class.__doc__, formatter_class=recipes,
+                                   epilog=epilog), config_class)
     return parser
 
 def frozen(value):
@@ -4051,7 +4049,7 @@ def command_line(config):
             last = [str(v) for v in value or ()]
         elif value == f.default:
             continue
-        elif isinstance(value, bool) and f.default is not True:
+        elif isinstance(value, bool):  # store_true's True, or --x / --no-x
             words.append(flag if value else "--no-" + flag[2:])
         elif f.metadata.get("action") == "append":
             for item in value:
