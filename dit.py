@@ -4028,16 +4028,16 @@ def build_parser():
                                    epilog=epilog), config_class)
     return parser
 
-def frozen(value):
+def as_tuples(value):
     """A parsed value as a configuration holds it: lists as tuples, so that it is hashable."""
-    return tuple(map(frozen, value)) if isinstance(value, list) else value
+    return tuple(map(as_tuples, value)) if isinstance(value, list) else value
 
 def parse(argv):
     """The configuration of a command line's words: TrainConfig where no command is named."""
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["train", *argv]
     args = vars(build_parser().parse_args(argv))
-    return COMMANDS[args.pop("command")](**{k: frozen(v) for k, v in args.items()})
+    return COMMANDS[args.pop("command")](**{k: as_tuples(v) for k, v in args.items()})
 
 def command_line(config):
     """The words after `python dit.py` that give `config`, each setting off its default."""

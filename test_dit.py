@@ -4249,7 +4249,7 @@ def test_notebook_trains_by_its_configuration_as_by_the_command_line(tmp_path, f
                             f"run = dit.train(dit.TrainConfig(**{setting!r}))\n"
                             f"dit.main({train_args(folder_data, tmp_path / 'cli', 2)!r})\n"
                             f"record = json.load(open(run.run_dir + '/run.json'))\n"
-                            f"run.config == dit.TrainConfig(**{{k: dit.frozen(v) for k, v in "
+                            f"run.config == dit.TrainConfig(**{{k: dit.as_tuples(v) for k, v in "
                             f"record.items() if k in dit.TrainConfig.__dataclass_fields__}})")
         assert status == "ok" and dict(out)["text/plain"] == "True", out
     finally:
