@@ -3270,7 +3270,8 @@ def timed(step, n, profile_dir, name):
 def bench(config):
     """Speed with random weights: the training step (and with masking, with each term), the forward
     pass, and FID-N end to end. Returns figures."""
-    config = start_devices(checked(config), config.batch_size)
+    config = checked(config)
+    config = start_devices(config, config.batch_size)
     mesh = make_mesh()
     check_batch_size(config.batch_size)
     latent_channels = VAEConfig().latent_channels
@@ -3739,6 +3740,10 @@ STEPS_DEFAULT = "(default: " + ", ".join(f"{name} {objective.default_steps}"
                                          for name, objective in OBJECTIVES.items()) + ")"
 BOOL = argparse.BooleanOptionalAction  # --x and --no-x, None where neither is given
 
+def arch_switch(what):
+    """A DiT+ switch of ARCHS, which --arch sets unless its own option says otherwise."""
+    return option(None, f"{what} (default: as --arch says), for ablations", action=BOOL, run=True)
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelOptions:
     """The model that train and bench build, its objective, and how it computes."""
@@ -3748,14 +3753,10 @@ class ModelOptions:
                                choices=[2, 4, 8], run=True)
     arch: str = option("dit", "dit: the paper's; dit+: with the changes of the README's ablation",
                        choices=list(ARCHS), run=True)
-    qk_norm: bool | None = option(None, "RMSNorm on queries and keys (default: as --arch says), "
-                                  "for ablations", action=BOOL, run=True)
-    rms_norm: bool | None = option(None, "RMSNorm instead of LayerNorm (default: as --arch says), "
-                                   "for ablations", action=BOOL, run=True)
-    swiglu: bool | None = option(None, "a SwiGLU feed-forward layer (default: as --arch says), "
-                                 "for ablations", action=BOOL, run=True)
-    rope: bool | None = option(None, "2-D rotary position embeddings (default: as --arch says), "
-                               "for ablations", action=BOOL, run=True)
+    qk_norm: bool | None = arch_switch("RMSNorm on queries and keys")
+    rms_norm: bool | None = arch_switch("RMSNorm instead of LayerNorm")
+    swiglu: bool | None = arch_switch("a SwiGLU feed-forward layer")
+    rope: bool | None = arch_switch("2-D rotary position embeddings")
     objective: str = option("rf", "rectified flow; DiT's DDPM with learned variance (the "
                             "paper's); or EDM (Karras et al. 2022)", choices=list(OBJECTIVES),
                             run=True)
