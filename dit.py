@@ -67,6 +67,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import tarfile
 import threading
@@ -2204,18 +2205,39 @@ class StepTrace:
 # flight, which would otherwise overlap the next one's dispatch. A lone process checks every step.
 STOP_CHECK_EVERY = 10
 
-class Stop:
-    """A stop after a whole step, with a checkpoint: Ctrl-C (twice: at once), SIGTERM, --time-limit.
-    Handlers only inside `with Stop(...)`."""
+# The signals that stop a run with a checkpoint: Ctrl-C, a scheduler's or a notebook's end
+# (SIGTERM), and the warnings that SLURM's `--signal` sends before a job's time limit.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
-    def __init__(self, time_limit):
+# Before a SLURM job's end a run stops with time to spare: twice the longest pause between steps so
+# far (evaluations and the checkpoint; before the first, a checkpoint's bytes at a network disk's
+# CHECKPOINT_SPEED), plus JOB_END_SLACK for the steps until the processes agree (STOP_CHECK_EVERY)
+# and the minute by which SLURM may misjudge a job's time.
+CHECKPOINT_SPEED, JOB_END_SLACK = 50e6, 90.0
+
+class Stop:
+    """A stop after a whole step, with a checkpoint: Ctrl-C (twice: at once), STOP_SIGNALS,
+    --time-limit, a SLURM job's end. Handlers only inside `with Stop(...)`."""
+
+    def __init__(self, time_limit, job_end=None):
         self.start = time.monotonic()
-        self.deadline = self.start + (time_limit or math.inf)
+        self.limit = self.start + (time_limit or math.inf)
+        self.job_end, self.margin = job_end or math.inf, JOB_END_SLACK
         self.signal, self.previous = None, {}
+
+    @property
+    def deadline(self):
+        """When the run stops: --time-limit, or the job's end less the margin, whichever is first."""
+        return min(self.limit, self.job_end - self.margin)
+
+    def paused(self, seconds):
+        """Widen the margin before the job's end to twice a pause between steps (or its
+        estimate)."""
+        self.margin = max(self.margin, JOB_END_SLACK + 2 * seconds)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self.request)
         return self
 
@@ -2234,18 +2256,44 @@ class Stop:
         """Why every process stops after step `done`, or None to go on."""
         if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
             return None
-        wanted = 2 if self.signal else 1 if time.monotonic() > self.deadline else 0
+        wanted = 0
+        if self.signal:
+            wanted = 3
+        elif time.monotonic() > self.deadline:
+            wanted = 2 if self.deadline == self.limit else 1
         wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
-        return [None, "reached --time-limit", "interrupted"][wanted]
+        return [None, "reached the SLURM job's end", "reached --time-limit", "interrupted"][wanted]
 
     def last_step(self, start, done, steps):
-        """The progress bar's total: `steps`, or where --time-limit will stop at the speed so
-        far."""
+        """The progress bar's total: `steps`, or where --time-limit or the job's end will stop the
+        run at the speed so far."""
         now = time.monotonic()
         if self.deadline == math.inf:
             return steps
         left = max(self.deadline - now, 0.0) * (done - start) / (now - self.start)  # in steps
         return min(steps, done + int(left))
+
+def slurm_time_left(text):
+    """Seconds in squeue's %L ("[days-][hours:]minutes:seconds"), or None (UNLIMITED, NOT_SET)."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if not match:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+def slurm_job_end(environ):
+    """time.monotonic() at this SLURM job's time limit, as squeue tells it; None outside a job."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job or not shutil.which("squeue"):
+        return None
+    asked = time.monotonic()
+    try:
+        out = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format", "%L"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except subprocess.TimeoutExpired:
+        return None
+    left = slurm_time_left(out)
+    return None if left is None else asked + left
 
 def set_total(bar, total):
     """A running tqdm bar's new total, a notebook widget's too."""
@@ -2772,7 +2820,7 @@ class Run:
     step: int
     loss: float | None
     fid: float | None
-    stopped: str | None  # "interrupted" or "reached --time-limit" before the last step; None
+    stopped: str | None  # Stop.reason before the last step; None when the run finished
     config: "TrainConfig" = dataclasses.field(repr=False)  # with its defaults filled in
     state: dict = dataclasses.field(repr=False)
 
@@ -2806,11 +2854,16 @@ def train(config):
     train_idx, held_out = hold_out(len(ds), config.val_images)
 
     # The run directory, and the state: restored from a checkpoint, or new.
-    stop = Stop(config.time_limit)  # the time limit counts from here
+    stop = Stop(config.time_limit, slurm_job_end(os.environ))  # the time limit counts from here
     checkpoint, meta, local_disks = open_run(config, cfg, ds, objective, masking, terms)
     graphdef, state, shardings = init_state(cfg, tx, config.seed, mesh, config.fsdp,
                                             compute_dtype(config.precision), config.remat,
                                             checkpoint)
+    stop.paused(sum(a.nbytes for a in jax.tree.leaves(state)) / CHECKPOINT_SPEED)
+    if stop.job_end < math.inf and jax.process_index() == 0:
+        print(f"SLURM job {os.environ['SLURM_JOB_ID']} ends in "
+              f"{(stop.job_end - time.monotonic()) / 60:.1f} min: the run stops with a checkpoint "
+              f"{stop.margin:.0f} s before (README, SLURM clusters)")
     start = int(to_host(state["step"]))
     trace = StepTrace(config.profile, start, config.steps)
     print(f"DiT-{config.size}/{config.patch} on {config.dataset} ({len(ds)} samples, input "
@@ -2848,11 +2901,13 @@ def train(config):
             if done % config.log_every == 0 or done % config.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+            paused = time.monotonic()
             with log.paused():  # the checkpoint last: a run resumed from it keeps its records
                 evaluator(state["ema"], done, log)
                 if done % config.ckpt_every == 0 or last:
                     saved = save_checkpoint(config.run_dir, state, meta, config.keep, local_disks,
                                             config.keep_ema)
+            stop.paused(time.monotonic() - paused)
             if stopped:
                 break
     if stopped and jax.process_index() == 0:
@@ -3853,8 +3908,8 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defau
                                               "--ckpt-every times 1, 2, 4, 8, ...)", type=int_list,
                                               metavar="STEPS")
     time_limit: int | None = option(None, "stop with a checkpoint after this long, e.g. 8h30m, 90m "
-                                    "or 45s, before a notebook or job ends (as Ctrl-C and SIGTERM "
-                                    "do); the same command continues", type=duration,
+                                    "or 45s, before a notebook ends (as Ctrl-C, SIGTERM, SIGUSR1 "
+                                    "and a SLURM job's end do); the same command continues", type=duration,
                                     metavar="DURATION",  # a TrainConfig's: seconds, or this text
                                     text=lambda t: f"{t}s" if isinstance(t, int) else t)
     unmask_at: int | None = option(None, "with --mask-ratio: train on every patch after this many "

@@ -2686,6 +2686,44 @@ def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
     thread.join()
     assert reasons == ["reached --time-limit"]
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2])
+def test_each_scheduler_signal_stops_after_the_step(sig):
+    """SIGTERM (a job's end, scancel) and SLURM's `--signal` warnings, SIGUSR1 or SIGUSR2, each
+    ask for a stop, which only the next check reports; none ends the process."""
+    with dit.Stop(None) as stop:
+        assert stop.reason(1) is None
+        signal.raise_signal(sig)
+        assert stop.reason(2) == "interrupted"
+    assert signal.getsignal(sig) is signal.SIG_DFL
+
+@pytest.mark.parametrize("text, seconds", [("59:30", 3570), ("1:00:00", 3600), ("0:05", 5),
+                                           ("2-03:04:05", ((2 * 24 + 3) * 60 + 4) * 60 + 5),
+                                           ("UNLIMITED", None), ("NOT_SET", None), ("", None)])
+def test_slurm_time_left_is_read_as_squeue_prints_it(text, seconds):
+    assert dit.slurm_time_left(text + "\n") == seconds
+
+def test_a_slurm_job_stops_the_run_before_its_end_with_time_for_the_checkpoint(monkeypatch):
+    """A job's end less the margin stops the run, and names the job's end; the margin grows to
+    twice the longest pause between steps (plus the slack); --time-limit stops first where it is
+    earlier, and names itself."""
+    clock = [1000.0]
+    monkeypatch.setattr(dit.time, "monotonic", lambda: clock[0])
+    stop = dit.Stop(None, job_end=1000.0 + 600)
+    assert stop.deadline == 1600 - dit.JOB_END_SLACK
+    stop.paused(100.0)
+    stop.paused(10.0)  # a shorter pause does not narrow it
+    assert stop.deadline == 1600 - dit.JOB_END_SLACK - 200
+    clock[0] = 1600 - dit.JOB_END_SLACK - 201
+    assert stop.reason(1) is None
+    clock[0] += 2
+    assert stop.reason(2) == "reached the SLURM job's end"
+    clock[0] = 1000.0
+    early = dit.Stop(60, job_end=1000.0 + 600)
+    clock[0] = 1061.0
+    assert early.reason(1) == "reached --time-limit"
+    # squeue's answer for the job named in the environment; none outside a job
+    assert dit.slurm_job_end({}) is None
+
 @pytest.mark.parametrize("text, seconds", [("8h30m", 8 * 3600 + 30 * 60), ("90m", 5400),
                                            ("45s", 45), ("1h", 3600), ("2m30s", 150)])
 def test_time_limit_is_read_as_hours_minutes_seconds(text, seconds):
@@ -3263,6 +3301,166 @@ def test_damaged_checkpoint_names_itself_and_the_way_out(tmp_path):
     with pytest.raises(ValueError,
                        match="step_0000001.npz is not a readable DiT checkpoint.*delete it"):
         dit.read_checkpoint(str(path))
+
+# --- SLURM: the README's job scripts under a real SLURM ---------------------------
+# .ci/run installs Debian's slurm-wlm and munge and starts a controller and a node daemon on this
+# machine. Each test runs a README script as a user would submit it, at a tiny size on the CPU: the
+# GPU's #SBATCH line dropped, dit.py's arguments replaced by the tests' tiny model's.
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A SLURM that answers; where none is installed the tests skip, but never in CI."""
+    if not shutil.which("sbatch"):
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the SLURM tests, but sbatch is not installed (.ci/run "
+                        "installs slurm-wlm)")
+        pytest.skip("no SLURM here: .ci/run installs Debian's slurm-wlm and starts it")
+    answer = subprocess.run(["sinfo", "--noheader", "--format", "%T"], capture_output=True,
+                            text=True)
+    assert answer.returncode == 0 and {"idle", "mixed"} & set(answer.stdout.split()), (
+        f"SLURM is installed but its node is not up (.ci/run starts it): {answer.stdout}"
+        f"{answer.stderr}")
+
+def readme_job_script(name):
+    """The README's job script whose #SBATCH --job-name is `name`."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    return next(block for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+                if f"--job-name={name} " in block)
+
+def tiny_job(tmp_path, name, args, patch="", replace=()):
+    """The README's job script `name` at a tiny size, as a file in tmp_path: the GPU's #SBATCH
+    line dropped, paths in tmp_path, and dit.py's arguments up to --run-dir replaced by `args`
+    (a driver that trains the tiny model, as run_dit's)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(here=HERE, patch=patch))
+    script = readme_job_script(name)
+    script = re.sub(r"^#SBATCH --partition=gpu.*\n|^source .*\n", "", script, flags=re.M)
+    script = script.replace("/scratch/network/$USER", str(tmp_path))
+    script, found = re.subn(r"python dit\.py .*? --run-dir",
+                            f"{sys.executable} {driver} {shlex.join(args)} --run-dir", script)
+    assert found == 1, script
+    for old, new in replace:
+        assert old in script, old
+        script = script.replace(old, new)
+    path = tmp_path / f"{name}.sh"
+    path.write_text(script)
+    return path
+
+def job_args(data_dir, steps, extra=()):
+    """train_args of the tiny model without --run-dir, which the job scripts give."""
+    args = train_args(data_dir, "", steps, extra)
+    i = args.index("--run-dir")
+    return args[:i] + args[i + 2:]
+
+def sbatch(path, *options):
+    """Submit a job script from its folder, with this process's environment (one CPU device,
+    the tests' compilation cache): its job id."""
+    out = subprocess.run(["sbatch", "--parsable", *options, str(path)], cwd=path.parent,
+                         env=process_env(1), capture_output=True, text=True, check=True).stdout
+    return out.strip().split(";")[0]
+
+def wait_for_jobs(name, timeout=900):
+    """Until no job named `name` is queued or running."""
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["squeue", "--noheader", "--name", name, "--format", "%i"],
+                         capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, f"jobs {name} still queued after {timeout} s"
+        time.sleep(1)
+
+def job_output(tmp_path, name, job):
+    return (tmp_path / f"{name}-{job}.out").read_text()
+
+# Adds 0.1 s to each step, in the loop itself (the loader's thread would hide it), so that the
+# jobs' stops, which come tens of seconds apart, fall mid-run.
+SLOW_STEPS = """
+import time
+reason = dit.Stop.reason
+def slow_reason(self, done):
+    time.sleep(0.1)
+    return reason(self, done)
+dit.Stop.reason = slow_reason
+"""
+
+@slow
+def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(tmp_path, slurm,
+                                                                              folder_data):
+    """The README's train.sh, five jobs of one chain (`--dependency=singleton`): the first ended by
+    `scancel` (SIGTERM), the second by `--signal=USR1@100`'s warning, the third by its time limit
+    (the run stops itself before it), the fourth finishes the run, the fifth finds it finished and
+    ends at once. Each stop leaves a checkpoint and says so; the run ends bit for bit as the run
+    that was never stopped, its history whole, and `report` reads it as one run."""
+    steps, name = 1200, f"dit-chain-{os.getpid()}"
+    args = job_args(folder_data, steps, ["--ckpt-every", "100000"])
+    straight = tmp_path / "straight"
+    run_dit(tmp_path, [*args, "--run-dir", str(straight)])
+    script = tiny_job(tmp_path, "dit-S2-in100", args, patch=SLOW_STEPS,
+                      replace=[("dit-S2-in100", name)])
+    run = tmp_path / "runs" / "in100-S2"
+    # SLURM sends --signal's warning up to a minute before the time asked: at 20 to 80 s into
+    # the second job, whose own stop would come at 90 s; at 59 s or later into the third, which
+    # stops itself at 30 s.
+    jobs = [sbatch(script, "--time=10"), sbatch(script, "--time=3", "--signal=USR1@100"),
+            sbatch(script, "--time=2", "--signal=USR1@1"), sbatch(script, "--time=10"),
+            sbatch(script, "--time=10")]
+    deadline = time.monotonic() + 300
+    while not (run / "metrics.jsonl").exists() or len(records(run)) < 3:
+        assert time.monotonic() < deadline, "the first job logged no steps"
+        time.sleep(0.5)
+    subprocess.run(["scancel", jobs[0]], check=True)
+    wait_for_jobs(name)
+    outs = [job_output(tmp_path, name, job) for job in jobs]
+    ends = ["interrupted", "interrupted", "reached the SLURM job's end"]
+    saved = []
+    for out, end in zip(outs, ends):
+        match = re.search(rf"^{end} at step (\d+) of {steps}: saved (\S+);", out, re.M)
+        assert match, out[-3000:]
+        saved.append(int(match[1]))
+        assert int(dit.read_checkpoint(match[2], names=[])[0]["step"]) == saved[-1]
+    assert 0 < saved[0] < saved[1] < saved[2] < steps, saved
+    assert "SLURM job" in outs[2] and "the run stops with a checkpoint" in outs[2]
+    assert f"finished {steps} steps" in outs[3], outs[3][-3000:]
+    assert outs[4] == ""  # the run was finished: the job ended before python started
+    a, b = final_state(straight)[1], final_state(run)[1]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert [r["step"] for r in records(run) if "loss" in r] == list(range(1, steps + 1))
+    table = open(dit.main(["report", str(run), "--out", str(tmp_path / "report")]).markdown).read()
+    assert table.count(str(run)) == 1 and f"| {steps:,} |" in table, table
+
+@slow
+def test_srun_with_two_tasks_trains_one_run_over_two_processes(tmp_path, slurm, folder_data,
+                                                              straight_run):
+    """`srun --ntasks=2`: jax.distributed joins the two tasks from SLURM's variables, each with
+    one CPU device and half of each batch, into one run equal to one process's."""
+    run_dir, driver = tmp_path / "run", tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(here=HERE, patch=""))
+    out = subprocess.run(["srun", "--ntasks=2", "--cpus-per-task=1", "--time=5", sys.executable,
+                          str(driver), *train_args(folder_data, run_dir, 3, VALIDATION)],
+                         cwd=tmp_path, env=process_env(1), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 devices, 2 processes" in out.stdout
+    assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
+
+@slow
+def test_slurm_job_array_sweeps_settings_into_a_report_of_its_runs(tmp_path, slurm, folder_data):
+    """The README's sweep.sh as a job array of three settings: a run directory each, and a
+    report of the three runs, each labelled by the setting in which it differs."""
+    name = f"dit-sweep-{os.getpid()}"
+    script = tiny_job(tmp_path, "dit-sweep", job_args(folder_data, 4), replace=[
+        ("dit-sweep", name),
+        ('SETTINGS=("--lr 1e-4" "--lr 2e-4" "--lr 2e-4 --ema-decay 0.999" "--objective ddpm" '
+         '"--arch dit+")', 'SETTINGS=("--lr 1e-3" "--lr 2e-3" "--lr 2e-3 --ema-decay 0.99")')])
+    sbatch(script, "--array=0-2", "--wait")
+    runs = [str(tmp_path / "runs" / "sweep" / str(k)) for k in range(3)]
+    for run in runs:
+        assert [r["step"] for r in records(run) if "loss" in r] == [1, 2, 3, 4], run
+    table = open(dit.main(["report", *runs, "--out", str(tmp_path / "report")]).markdown).read()
+    for run in runs:
+        assert table.count(run) == 1
+    for label in ("--lr 0.001 --ema-decay 0.9", "--lr 0.002 --ema-decay 0.9",
+                  "--lr 0.002 --ema-decay 0.99"):
+        assert f"`{label}`" in table, table
 
 #################################################################################
 #                          13. Sampling and evaluation                          #
@@ -3963,8 +4161,8 @@ def test_parser_built_from_the_configuration_keeps_every_option_and_default():
 def readme_commands():
     """The words after `dit.py` of each `python dit.py ...` command in the README: continued lines
     and inline code joined, a shell variable's command (S="python dit.py ...") where it is used
-    ($S --ckpt ...), comments, redirections and quotes cut; but for those elided with `...` and
-    --help."""
+    ($S --ckpt ...), comments, redirections and quotes cut; but for those elided with `...`,
+    --help, and a job array's, whose options its tasks pick (${SETTINGS[...]})."""
     with open(os.path.join(HERE, "README.md")) as f:
         parts = f.read().replace("\\\n", " ").split("```")
     # prose (the even parts) with each inline `code` on one line; code blocks as they are
@@ -3975,7 +4173,8 @@ def readme_commands():
     commands = []
     for match in re.finditer(r"python3? dit\.py\b([^`\n]*)", text):
         words = shlex.split(re.split(r"\s#|\s[|>;&]|&&|\$\(|\"", match[1])[0])
-        if "..." not in words and "--help" not in words:
+        if "..." not in words and "--help" not in words and not any(
+                w.startswith("${") for w in words):
             commands.append(words)
     return commands
 
