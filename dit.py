@@ -1561,22 +1561,25 @@ def vae_dtype(precision):
     VAE overflows."""
     return jnp.float32 if precision == "fp16" else compute_dtype(precision)
 
+def released_vae(source, cache_dir=None, fetching=False):
+    """The released VAE's folder, downloaded when missing."""
+    folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
+    for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
+        url = f"https://huggingface.co/stabilityai/sd-vae-ft-{source}/resolve/main/{fname}"
+        try:
+            downloaded(url, os.path.join(folder, fname), fetching=fetching)
+        except OSError as e:  # download's FileNotFoundError, with the cause
+            raise InputError(f"cannot download {url} ({e}). Download config.json and "
+                             f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-"
+                             f"{source} by hand into {folder}, or pass the folder or weight "
+                             f"file as the VAE source.") from None
+    return folder
+
 def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
-    """The AutoencoderKL in `dtype` from `source`: "ema" or "mse" (the released SD VAEs,
-    downloaded), a diffusers folder, or a weight file."""
+    """The AutoencoderKL in `dtype` from `source`: "ema" or "mse" (released_vae), a diffusers
+    folder, or a weight file."""
     if source in ("ema", "mse"):
-        folder = os.path.join(cache_dir or default_cache_dir(), f"sd-vae-ft-{source}")
-        for fname in ("config.json", "diffusion_pytorch_model.safetensors"):
-            url = f"https://huggingface.co/stabilityai/sd-vae-ft-{source}/resolve/main/{fname}"
-            try:
-                if not os.path.exists(os.path.join(folder, fname)):
-                    download(url, os.path.join(folder, fname))
-            except OSError as e:  # download's FileNotFoundError, with the cause
-                raise InputError(f"cannot download {url} ({e}). Download config.json and "
-                                 f"diffusion_pytorch_model.safetensors of stabilityai/sd-vae-ft-"
-                                 f"{source} by hand into {folder}, or pass the folder or weight "
-                                 f"file as the VAE source.") from None
-        source = folder
+        source = released_vae(source, cache_dir)
     if os.path.isdir(source):
         found = [p for ext in ("safetensors", "bin")
                  if os.path.exists(p := os.path.join(source, f"diffusion_pytorch_model.{ext}"))]
@@ -1681,6 +1684,10 @@ _MNIST_MD5 = {  # images, then labels: the mirror's checksums, as torchvision's 
     "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432"}
 
+def _mnist_download(data_dir, fetching=False):
+    return [downloaded(_MNIST_URL + name, os.path.join(data_dir, name), md5, "md5", fetching)
+            for name, md5 in _MNIST_MD5.items()]
+
 def _load_mnist(data_dir: str) -> Dataset:
     """MNIST's IDX files; the test digits stand in when alone."""
     for split in ("train", "t10k"):
@@ -1690,9 +1697,7 @@ def _load_mnist(data_dir: str) -> Dataset:
         if images and labels:
             break
     else:
-        for name, md5 in _MNIST_MD5.items():
-            download(_MNIST_URL + name, os.path.join(data_dir, name), md5, "md5")
-        images, labels = (os.path.join(data_dir, name) for name in _MNIST_MD5)
+        images, labels = _mnist_download(data_dir)
     x, y = read_idx(images), read_idx(labels)
     if "t10k" in os.path.basename(images):
         print(f"note: {data_dir} holds only the MNIST test set; training on its {len(x):,} digits")
@@ -1711,6 +1716,10 @@ _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 _CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]
 
+def _cifar10_download(data_dir, fetching=False):
+    return downloaded(_CIFAR_URL, os.path.join(data_dir, "cifar-10-python.tar.gz"), _CIFAR_MD5,
+                      "md5", fetching)
+
 def _load_cifar10(data_dir: str) -> Dataset:
     """CIFAR-10's 50,000 training images, extracted or from the (downloaded) archive."""
     for where in (os.path.join(data_dir, "cifar-10-batches-py"), data_dir):
@@ -1725,9 +1734,7 @@ def _load_cifar10(data_dir: str) -> Dataset:
                     found[name] = _unpickle_cifar(f, path)
             break
     else:
-        where = os.path.join(data_dir, "cifar-10-python.tar.gz")
-        if not os.path.exists(where):
-            download(_CIFAR_URL, where, _CIFAR_MD5, "md5")
+        where = _cifar10_download(data_dir)
         try:
             with (_CappedGzip(where, _CIFAR_MAX_BYTES) as gz,
                   tarfile.open(fileobj=gz, mode="r:") as tar):
@@ -4030,6 +4037,18 @@ class ReportConfig:
                     "seconds of the steps; evaluations and checkpoints left out)",
                     choices=["steps", "hours"])
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FetchConfig:
+    """download what runs read, beforehand"""
+    vae: tuple[str, ...] = option(("ema",), "the released SD VAEs (default: ema, which latent "
+                                  "runs and prepare_imagenet100.py read; --vae alone: none)",
+                                  choices=["ema", "mse"], nargs="*")
+    inception: bool = option(True, "pytorch-fid's Inception weights, for FID (default: on)",
+                             action=BOOL)
+    datasets: tuple[str, ...] = option(("mnist",), "the datasets (default: mnist, the default "
+                                       "run's; cifar10 is 170 MB)", choices=["mnist", "cifar10"],
+                                       nargs="*")
+
 # The settings that define a run: resuming with different ones would silently train something else.
 RUN_DEFINING = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["run"])
 
@@ -4056,7 +4075,7 @@ def with_defaults(config):
 # --- Command line --------------------------------------------------------------
 
 COMMANDS = {"train": TrainConfig, "sample": SampleConfig, "export": ExportConfig,
-            "bench": BenchConfig, "report": ReportConfig}
+            "bench": BenchConfig, "report": ReportConfig, "fetch": FetchConfig}
 
 def add_options(parser, config_class):
     """One argument of `parser` for each field of `config_class`, as the field's metadata says."""
@@ -4075,8 +4094,9 @@ def build_parser():
     recipes = argparse.RawDescriptionHelpFormatter
     parser = OneLineParser(
         prog="dit.py", formatter_class=recipes, epilog=recipes_table(),
-        description="Train (the default command), sample, export and benchmark DiT models, and "
-                    "report on runs; `dit.py COMMAND --help` lists a command's options.")
+        description="Train (the default command), sample, export and benchmark DiT models, "
+                    "report on runs, and fetch what they download; `dit.py COMMAND --help` lists "
+                    "a command's options.")
     sub = parser.add_subparsers(dest="command")
     for name, config_class in COMMANDS.items():
         epilog = recipes_table() if name == "train" else None
@@ -4285,11 +4305,29 @@ def export(config):
     print("EMA weights:", out)
     return out
 
+def fetch(config):
+    """`python dit.py fetch`."""
+    config = checked(config)
+    for source in config.vae:
+        released_vae(source, fetching=True)
+    if config.inception:
+        fid_module().inception_file(fetching=True)
+    files = {"mnist": _mnist_download, "cifar10": _cifar10_download}
+    for name in config.datasets:
+        files[name](default_data_dir(name), fetching=True)
+    cache = os.path.abspath(default_cache_dir())
+    if os.environ.get("DIT_CACHE"):
+        print(f"On machines without network access, run with: export DIT_CACHE={cache}")
+    else:
+        print(f"Runs read the default cache, {cache}: where home folders are not shared, fetch "
+              f"with DIT_CACHE set to a shared folder, and export it where runs run")
+
 def main(argv=None):
     """The command line, also callable from a notebook: main(["--dataset", "mnist"])."""
     config = parse(list(sys.argv[1:] if argv is None else argv))
     run = {TrainConfig: train, SampleConfig: sample_command, ExportConfig: export,
-           BenchConfig: bench, ReportConfig: lambda c: report(c.runs, c.out, c.x)}[type(config)]
+           BenchConfig: bench, ReportConfig: lambda c: report(c.runs, c.out, c.x),
+           FetchConfig: fetch}[type(config)]
     return run(config)
 
 #################################################################################
@@ -4803,6 +4841,22 @@ def read_json(path, valid, expected, fix):
 def default_cache_dir():
     """Where downloaded weights and datasets go: $DIT_CACHE, or ~/.cache/dit-jax."""
     return os.environ.get("DIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dit-jax")
+
+def downloaded(url, path, digest=None, algorithm="sha256", fetching=False):
+    """`path`, from `url` when missing; `fetching`: reported, checked."""
+    there = os.path.exists(path)
+    if not there:
+        download(url, path, digest, algorithm)
+    elif fetching and digest is not None:
+        with open(path, "rb") as f:
+            found = hashlib.file_digest(f, algorithm).hexdigest()
+        if found != digest:
+            raise InputError(f"{path}: its {algorithm} is {found}, not the published {digest}; it "
+                             f"is damaged or another file: delete it and fetch it again")
+    if fetching:
+        print(f"{path}: {'already there' if there else 'downloaded'}"
+              f"{f', {algorithm} checked' if digest else ''}")
+    return path
 
 def download(url, path, digest=None, algorithm="sha256"):
     """Fetch url into path atomically, checked against `digest` if given."""

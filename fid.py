@@ -378,6 +378,13 @@ def _inception_with(state_dict, source):
                                   f"not pytorch-fid's FID Inception weights. {_PASS_OFFICIAL}",
                                   skip=r".*\.num_batches_tracked")
 
+def inception_file(cache_dir=None, fetching=False):
+    """pytorch-fid's weight file in the cache, downloaded when missing (`fetching`: as
+    dit.downloaded's)."""
+    return dit.downloaded(FID_WEIGHTS_URL, os.path.join(cache_dir or dit.default_cache_dir(),
+                                                        FID_WEIGHTS_NAME),
+                          FID_WEIGHTS_SHA256, fetching=fetching)
+
 def load_inception(path=None, cache_dir=None):
     """The FID InceptionV3 with pytorch-fid's weights, read from `path` (its legacy-format .pth
     file).
@@ -390,9 +397,7 @@ def load_inception(path=None, cache_dir=None):
     """
     cache_dir = cache_dir or dit.default_cache_dir()
     if path is None:
-        path = os.path.join(cache_dir, FID_WEIGHTS_NAME)
-        if not os.path.exists(path):
-            dit.download(FID_WEIGHTS_URL, path, FID_WEIGHTS_SHA256)
+        path = inception_file(cache_dir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"FID Inception weights {path} not found; pass pytorch-fid's "
                                 f"{FID_WEIGHTS_NAME} (from {FID_WEIGHTS_URL}) or leave the path "

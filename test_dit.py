@@ -4149,8 +4149,9 @@ def test_parser_built_from_the_configuration_keeps_every_option_and_default():
         before = json.load(f)
     commands = next(a for a in dit.build_parser()._actions
                     if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(before) == set(commands) == set(dit.COMMANDS)
-    for name, options in before.items():
+    assert set(before) <= set(commands) == set(dit.COMMANDS)  # and commands added since
+    for name in commands:
+        options = before.get(name, {})
         now = {flag: action.default for action in commands[name]._actions
                for flag in action.option_strings if flag not in ("-h", "--help")}
         assert set(options) <= set(now), (name, set(options) - set(now))
@@ -4186,6 +4187,94 @@ def test_every_readme_command_parses():
         config = dit.parse(words)
         assert dataclasses.is_dataclass(config) and type(config) in dit.COMMANDS.values(), words
         assert dit.checked(config) == config, words
+
+def file_digest(path, algorithm):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, algorithm).hexdigest()
+
+def mnist_stand_ins(monkeypatch):
+    """{MNIST's URL: the fixture's test split file that stands in for it}, their md5s published."""
+    served = {dit._MNIST_URL + name: data(f"mnist/{name.replace('train', 't10k')}")
+              for name in dit._MNIST_MD5}
+    monkeypatch.setattr(dit, "_MNIST_MD5", {os.path.basename(url): file_digest(path, "md5")
+                                            for url, path in served.items()})
+    return served
+
+def offline(url, timeout=None):
+    raise urllib.error.URLError("no network")
+
+def test_fetch_fills_the_cache_that_runs_without_network_read(tmp_path, monkeypatch, capsys,
+                                                              inception_weights):
+    """`dit.py fetch` downloads each file once into $DIT_CACHE (here served from local stand-ins,
+    their digests published in place of the real ones), checks them when run again, and refuses
+    a damaged one; runs with the network refused then find everything there."""
+    cifar, (files, images, _) = tmp_path / "cifar.tar.gz", cifar_files()
+    write_cifar_archive(cifar, files)
+    vae = fixture("vae_reference")
+    served = {f"https://huggingface.co/stabilityai/sd-vae-ft-ema/resolve/main/{name}":
+              os.path.join(vae, name) for name in os.listdir(vae)}
+    served |= {fid.FID_WEIGHTS_URL: inception_weights, **mnist_stand_ins(monkeypatch),
+               dit._CIFAR_URL: str(cifar)}
+    monkeypatch.setattr(fid, "FID_WEIGHTS_SHA256", file_digest(inception_weights, "sha256"))
+    monkeypatch.setattr(dit, "_CIFAR_MD5", file_digest(cifar, "md5"))
+    fetched = []
+
+    def serve(url, timeout=None):
+        fetched.append(url)
+        with open(served[url], "rb") as f:
+            return FakeResponse(f.read())
+    monkeypatch.setattr(urllib.request, "urlopen", serve)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DIT_CACHE", str(cache))
+    dit.main(["fetch", "--datasets", "mnist", "cifar10"])
+    assert sorted(fetched) == sorted(served)
+    places = {cache / "sd-vae-ft-ema" / "config.json": "",
+              cache / "sd-vae-ft-ema" / "diffusion_pytorch_model.safetensors": "",
+              cache / fid.FID_WEIGHTS_NAME: ", sha256 checked",
+              cache / "datasets" / "mnist" / "train-images-idx3-ubyte.gz": ", md5 checked",
+              cache / "datasets" / "mnist" / "train-labels-idx1-ubyte.gz": ", md5 checked",
+              cache / "datasets" / "cifar10" / "cifar-10-python.tar.gz": ", md5 checked"}
+    export = f"On machines without network access, run with: export DIT_CACHE={cache}"
+    assert capsys.readouterr().out.splitlines() == [f"{path}: downloaded{checked}"
+                                                   for path, checked in places.items()] + [export]
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    dit.main(["fetch", "--datasets", "mnist", "cifar10"])
+    assert capsys.readouterr().out.splitlines() == [f"{path}: already there{checked}"
+                                                   for path, checked in places.items()] + [export]
+    ref = np.load(fixture("vae_reference.npz"))
+    assert rel_err(load_vae("ema").encode(nhwc(ref["x"]))[0], nhwc(ref["mean"])) < 1e-5
+    assert isinstance(fid.load_inception(), fid.InceptionV3)
+    np.testing.assert_array_equal(load_dataset("mnist").x[..., 0],
+                                  dit.read_idx(data("mnist/t10k-images-idx3-ubyte.gz")))
+    np.testing.assert_array_equal(load_dataset("cifar10").x, images)
+    (cache / "datasets" / "mnist" / "train-labels-idx1-ubyte.gz").write_bytes(b"damaged")
+    with pytest.raises(dit.InputError, match="train-labels-idx1-ubyte.gz: its md5 is .*delete it"):
+        dit.main(["fetch", "--vae", "--no-inception"])
+
+def test_fetch_downloads_nothing_the_default_cache_holds(tmp_path, monkeypatch, capsys):
+    """Files already in the default cache are checked and named, not downloaded again; without
+    $DIT_CACHE, the last line names the default cache. A file it cannot download ends in one line
+    that says where to put it."""
+    monkeypatch.delenv("DIT_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cache = tmp_path / ".cache" / "dit-jax"
+    shutil.copytree(fixture("vae_reference"), cache / "sd-vae-ft-ema")
+    (cache / "datasets" / "mnist").mkdir(parents=True)
+    for url, path in mnist_stand_ins(monkeypatch).items():
+        shutil.copy(path, cache / "datasets" / "mnist" / os.path.basename(url))
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    dit.main(["fetch", "--no-inception"])
+    assert capsys.readouterr().out.splitlines() == [
+        f"{cache}/sd-vae-ft-ema/config.json: already there",
+        f"{cache}/sd-vae-ft-ema/diffusion_pytorch_model.safetensors: already there",
+        f"{cache}/datasets/mnist/train-images-idx3-ubyte.gz: already there, md5 checked",
+        f"{cache}/datasets/mnist/train-labels-idx1-ubyte.gz: already there, md5 checked",
+        f"Runs read the default cache, {cache}: where home folders are not shared, fetch with "
+        f"DIT_CACHE set to a shared folder, and export it where runs run"]
+    with pytest.raises(FileNotFoundError, match=f"could not download {fid.FID_WEIGHTS_URL} .*"
+                                                f"put it at {cache}/{fid.FID_WEIGHTS_NAME}"):
+        dit.main(["fetch", "--vae"])
 
 @pytest.mark.parametrize("setting, message", [
     (dict(steps=0), "argument --steps: expected a whole number of at least 1, got '0'"),
