@@ -2241,9 +2241,9 @@ class Stop:
     def past(self, share, done):
         """Whether `share` of the time to the deadline has passed after step `done`, agreed as in
         `reason`."""
-        if self.deadline == math.inf or jax.process_count() > 1 and done % STOP_CHECK_EVERY:
+        if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
             return False
-        past = time.monotonic() > self.start + share * (self.deadline - self.start)
+        past = time.monotonic() > self.start + share * (self.deadline - self.start)  # inf: never
         return bool(multihost_utils.process_allgather(np.int32(past)).max())
 
     def last_step(self, start, done, steps):

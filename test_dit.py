@@ -2711,6 +2711,17 @@ def test_progress_is_shown_against_the_bound_that_comes_first(monkeypatch):
     clock[0] += 3600  # past the limit: the step under way is the last
     assert stop.last_step(500, 600, 100_000_000) == 600
 
+def test_a_share_of_the_time_passes_against_the_deadline(monkeypatch):
+    """Stop.past: whether a share of the time from the start to the deadline has passed (--unmask-at
+    90%); never without a deadline."""
+    clock = [1000.0]
+    monkeypatch.setattr(dit.time, "monotonic", lambda: clock[0])
+    stop, unbounded = dit.Stop(3600), dit.Stop(None)
+    clock[0] += 0.9 * 3600 - 1
+    assert not stop.past(0.9, 5) and stop.past(0.5, 5)
+    clock[0] += 2
+    assert stop.past(0.9, 5) and not unbounded.past(0.01, 5)
+
 @slow
 def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_data,
                                                                straight_run):
