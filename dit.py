@@ -2271,6 +2271,14 @@ class Stop:
         wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
         return [None, "reached the SLURM job's end", "reached --time-limit", "interrupted"][wanted]
 
+    def past(self, share, done):
+        """Whether `share` of the time to the deadline has passed after step `done`, agreed as in
+        `reason`."""
+        if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
+            return False
+        past = time.monotonic() > self.start + share * (self.deadline - self.start)  # inf: never
+        return bool(multihost_utils.process_allgather(np.int32(past)).max())
+
     def last_step(self, start, done, steps):
         """The progress bar's total: `steps`, or where --time-limit or the job's end will stop the
         run at the speed so far."""
@@ -2884,7 +2892,15 @@ def train(config):
     masked, whole = (jit_train_step(graphdef, objective, tx, config.ema_decay, config.ema_warmup,
                                     config.seed, mesh, shardings, m, terms)
                      for m in (masking, None))
-    unmask_at = config.steps if config.unmask_at is None else config.unmask_at
+    # A share ends masking at that share of --steps or of the time to the Stop's deadline, whichever
+    # comes first; checkpoints then keep the step as their unmask_at: a resumed run stays unmasked.
+    share = config.unmask_at if isinstance(config.unmask_at, float) else None
+    unmask_at = (config.steps if config.unmask_at is None
+                 else math.ceil(share * config.steps) if share else config.unmask_at)
+    ended = checkpoint and read_checkpoint(checkpoint, names=[])[0].get("unmask_at")
+    unmasked = not masking or isinstance(ended, int) and ended <= start
+    if masking and unmasked:
+        meta["unmask_at"] = ended
     evaluator = Evaluator(config, cfg, graphdef, objective, mesh, ds, held_out)
 
     # The loop: a step on each global batch (from each process's share), then records, evaluations
@@ -2899,7 +2915,14 @@ def train(config):
             trace(step, state)
             x = jax.make_array_from_process_local_data(batch, x, (config.batch_size, H, W, C))
             y = jax.make_array_from_process_local_data(batch, y, (config.batch_size,))
-            state, metrics = (masked if step < unmask_at else whole)(state, x, y)
+            if not unmasked and (step >= unmask_at or share and stop.past(share, step)):
+                unmasked, meta["unmask_at"] = True, step
+                log.write({"step": step, "unmasked": True})
+                if jax.process_index() == 0:
+                    why = (f"{share * 100:g}% of the {'steps' if step >= unmask_at else 'time'}"
+                           if share else step)
+                    print(f"step {step}: every patch from here on (--unmask-at {why})")
+            state, metrics = (whole if unmasked else masked)(state, x, y)
             log.pending.append(metrics)
             done = step + 1
             set_total(bar, stop.last_step(start, done, config.steps))
@@ -3457,6 +3480,7 @@ class RunRecords:
             raise InputError(f"{run_dir} has no metrics yet: a run logs its first record after "
                              f"--log-every steps")
         self.val = [r for r in records if "val_loss" in r]
+        self.unmasked = [r for r in records if r.get("unmasked")]  # where --unmask-at ended masking
         self.fid = [r for r in records if "fid" in r and "cfg_scale" not in r]
         self.sweep = [r for r in records if "fid" in r and "cfg_scale" in r]
         steps = [0] + [r["step"] for r in self.train]
@@ -3528,18 +3552,26 @@ def report_panels(runs, axis):
     """curves.png's rows of panels: (title, x label, y label, lines, legend entries)."""
     xlabel = "hours of training" if axis == "hours" else "training steps"
     loss, val, speed = [], [], []
+    # where --unmask-at ended masking, a marker on the trend (after every run's lines)
+    ends, ended = {"loss": [], "images_per_s": []}, dict(marker="v", linestyle="none")
     for i, run in enumerate(runs):
         x = run.x(run.train, axis)
         for lines, key in ((loss, "loss"), (speed, "images_per_s")):  # as logged, and the trend
             y = run.values(run.train, key)
             finite = np.isfinite(y)
+            trend = smoothed(y[finite])
             lines += [(i, x, y, dict(alpha=0.25, linewidth=0.7)),
-                      (i, x[finite], smoothed(y[finite]), dict(linewidth=1.5))]
+                      (i, x[finite], trend, dict(linewidth=1.5))]
+            if run.unmasked:
+                at = run.x(run.unmasked, axis)
+                ends[key].append((i, at, np.interp(at, x[finite], trend), ended))
         # a marker at each evaluation: they are few, and a run evaluated once draws no line
         val.append((i, run.x(run.val, axis), run.values(run.val, "val_loss"), dict(marker="o")))
     validated = any(run.val for run in runs)
-    training = [("training loss (faint: as logged)", xlabel, "loss", loss, []),
-                ("training speed (faint: as logged)", xlabel, "images/s", speed, [])]
+    legend = [("every patch from here (--unmask-at)", ended)] if ends["loss"] else []
+    training = [("training loss (faint: as logged)", xlabel, "loss", loss + ends["loss"], legend),
+                ("training speed (faint: as logged)", xlabel, "images/s",
+                 speed + ends["images_per_s"], legend)]
     if validated:
         training.insert(1, ("validation loss, mean of the noise levels", xlabel, "loss", val, []))
     # each auxiliary term that a run logged, weighted as it adds to the loss
@@ -3788,6 +3820,10 @@ non_negative_int = _parsed(int, "a whole number of at least 0", lambda n: n >= 0
 positive_float = _parsed(float, "a number above 0", lambda x: x > 0)
 float_list = _parsed(lambda text: list(map(float, text.split(","))), "comma-separated numbers")
 int_list = _parsed(lambda text: list(map(int, text.split(","))), "comma-separated whole numbers")
+# --unmask-at: a step, or a share of the run, "90%" -> 0.9
+step_or_share = _parsed(lambda text: float(text[:-1]) / 100 if text.endswith("%") else int(text),
+                        "a step (at least 0) or a share of the run between 0% and 100%, e.g. 90%",
+                        lambda v: 0 < v < 1 if isinstance(v, float) else v >= 0)
 
 def option(default=None, help=None, *, run=False, **words):
     """A configuration field: default, --help text, argparse's words; run=True if it defines a
@@ -3919,9 +3955,12 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defau
                                     "and a SLURM job's end do); the same command continues", type=duration,
                                     metavar="DURATION",  # a TrainConfig's: seconds, or this text
                                     text=lambda t: f"{t}s" if isinstance(t, int) else t)
-    unmask_at: int | None = option(None, "with --mask-ratio: train on every patch after this many "
-                                   "steps (a final phase; a resumed run may set or move it)",
-                                   type=non_negative_int, metavar="STEP")
+    unmask_at: int | float | None = option(
+        None, "with --mask-ratio: train on every patch after this many steps, or after this share "
+        "of --steps or of the time to --time-limit, whichever comes first (a final phase; a "
+        "resumed run may set or move it before it comes)", type=step_or_share,
+        metavar="STEP|SHARE%",  # a TrainConfig's: a step, a share (0.9) or this text ("90%")
+        text=lambda v: f"{v * 100:.15g}%" if isinstance(v, float) else v)
     sample_every: int | None = option(None, "steps between sample grids", type=positive_int)
     val_images: int = option(0, "samples held out of training for the validation loss (0: none), "
                              "the same in every run on a dataset", type=non_negative_int, run=True)

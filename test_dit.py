@@ -2749,6 +2749,17 @@ def test_progress_is_shown_against_the_bound_that_comes_first(monkeypatch):
     clock[0] += 3600  # past the limit: the step under way is the last
     assert stop.last_step(500, 600, 100_000_000) == 600
 
+def test_a_share_of_the_time_passes_against_the_deadline(monkeypatch):
+    """Stop.past: whether a share of the time from the start to the deadline has passed (--unmask-at
+    90%); never without a deadline."""
+    clock = [1000.0]
+    monkeypatch.setattr(dit.time, "monotonic", lambda: clock[0])
+    stop, unbounded = dit.Stop(3600), dit.Stop(None)
+    clock[0] += 0.9 * 3600 - 1
+    assert not stop.past(0.9, 5) and stop.past(0.5, 5)
+    clock[0] += 2
+    assert stop.past(0.9, 5) and not unbounded.past(0.01, 5)
+
 @slow
 def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_data,
                                                                straight_run):
@@ -2904,6 +2915,53 @@ def test_masked_training_resumes_exactly(tmp_path, folder_data, masked_run):
                                  [*VALIDATION, *MASKING[:-1], "6", "--resume", step2]))
     c = final_state(tmp_path / "later")[1]
     assert not all(np.array_equal(a[k], c[k]) for k in a)
+
+# dit.py's clock (Stop's) moves on one second with each training step, from 0 at the start.
+STEP_CLOCK = """
+import time, types
+clock = [0.0]
+dit.time = types.SimpleNamespace(**{**vars(time), "monotonic": lambda: clock[0]})
+jit_train_step = dit.jit_train_step
+def ticking(*args, **kwargs):
+    step = jit_train_step(*args, **kwargs)
+    def tick(*batch):
+        clock[0] += 1
+        return step(*batch)
+    return tick
+dit.jit_train_step = ticking
+"""
+
+@slow
+def test_a_share_of_a_time_limited_run_ends_masking_and_resumes_exactly(tmp_path, folder_data,
+                                                                       masked_run):
+    """`--unmask-at 60%` under `--time-limit 4s`, a step a second: 60% of the time (2.4 s) comes
+    before 60% of the 6 steps, so steps 3 on see every patch, as in masked_run (--unmask-at 3).
+    Stopped at 5 and resumed with 99% (alone, step 5 would be masked), it stays unmasked and ends
+    as masked_run; resumed from step 2 at 50%, 50% of the steps (3) come first."""
+    def run(run_dir, share, *extra):
+        return run_dit(tmp_path, train_args(folder_data, run_dir, 6, [
+            *VALIDATION, *MASKING[:-1], share, "--time-limit", "4s", *extra]), patch=STEP_CLOCK)
+
+    out = run(tmp_path / "a", "60%")
+    assert "step 3: every patch from here on (--unmask-at 60% of the time)" in out.stdout
+    assert "reached --time-limit at step 5 of 6" in out.stdout
+    assert {"step": 3, "unmasked": True} in records(tmp_path / "a")
+    a, b = state_at(tmp_path / "a", 4), state_at(masked_run, 4)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert dit.read_checkpoint(str(tmp_path / "a" / "checkpoints" / "step_0000005.npz"),
+                               names=[])[0]["unmask_at"] == 3
+    out = run(tmp_path / "a", "99%")
+    assert "every patch from here on" not in out.stdout
+    step2 = str(masked_run / "checkpoints" / "step_0000002.npz")
+    out = run(tmp_path / "b", "50%", "--resume", step2)
+    assert "step 3: every patch from here on (--unmask-at 50% of the steps)" in out.stdout
+    b = state_at(masked_run, 6)
+    for run_dir in ("a", "b"):
+        a = final_state(tmp_path / run_dir)[1]
+        assert int(a["step"]) == 6
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{run_dir}: {k}")
 
 @slow
 def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, masked_run):
@@ -3767,6 +3825,25 @@ def test_report_draws_what_the_runs_logged(tmp_path):
         "10K samples, adm", "5K samples, adm"]
     assert axes["training speed (faint: as logged)"].get_ylabel() == "images/s"
 
+def test_report_marks_where_masking_ended(tmp_path):
+    """A run's {"unmasked": true} record (--unmask-at) is a marker on the trend of its training
+    loss and speed, which the panels' legend names; a run without one has none."""
+    synthetic_run(tmp_path / "dit", 20_000)
+    synthetic_run(tmp_path / "masked", 30_000, masking={"mask_ratio": 0.75, "mixer_depth": 2})
+    with open(tmp_path / "masked" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 25_050, "unmasked": True}) + "\n")
+    report = dit.main(["report", str(tmp_path / "dit"), str(tmp_path / "masked"), "--out",
+                       str(tmp_path / "report")])
+    for title in ("training loss (faint: as logged)", "training speed (faint: as logged)"):
+        ax = panels(report.figure)[title]
+        assert len(ax.lines) == 5  # each run's as logged and its trend, then the marker
+        smooth, marker = ax.lines[3], ax.lines[4]
+        assert marker.get_color() == smooth.get_color() == "C1"
+        assert xy(marker)[0].tolist() == [25_050]
+        assert xy(marker)[1][0] == pytest.approx(np.interp(25_050, *xy(smooth)))
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+            "every patch from here (--unmask-at)"]
+
 def test_report_against_hours_of_training(tmp_path):
     """--x hours: each record's step becomes the hours of the logged seconds per step up to it,
     the validation records' as the training records'."""
@@ -4275,6 +4352,17 @@ def test_fetch_downloads_nothing_the_default_cache_holds(tmp_path, monkeypatch, 
     with pytest.raises(FileNotFoundError, match=f"could not download {fid.FID_WEIGHTS_URL} .*"
                                                 f"put it at {cache}/{fid.FID_WEIGHTS_NAME}"):
         dit.main(["fetch", "--vae"])
+
+def test_unmask_at_is_a_step_or_a_share_of_the_run():
+    """--unmask-at takes a step or a percentage strictly between 0 and 100; else one line."""
+    parse = lambda text: dit.parse(["--unmask-at", text]).unmask_at  # noqa: E731
+    assert (parse("3"), parse("0"), parse("90%"), parse("12.5%")) == (3, 0, 0.9, 0.125)
+    assert dit.checked(dit.TrainConfig(unmask_at=0.9)).unmask_at == 0.9
+    for text in ("0%", "100%", "150%", "x%", "-1", "1.5"):
+        with pytest.raises(dit.InputError, match=re.escape(
+                f"argument --unmask-at: expected a step (at least 0) or a share of the run between "
+                f"0% and 100%, e.g. 90%, got {text!r}")):
+            dit.main(["--unmask-at", text])
 
 @pytest.mark.parametrize("setting, message", [
     (dict(steps=0), "argument --steps: expected a whole number of at least 1, got '0'"),
