@@ -3957,8 +3957,8 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defau
                                     text=lambda t: f"{t}s" if isinstance(t, int) else t)
     unmask_at: int | float | None = option(
         None, "with --mask-ratio: train on every patch after this many steps, or after this share "
-        "of --steps or of the time to --time-limit, whichever comes first (a final phase; a "
-        "resumed run may set or move it before it comes)", type=step_or_share,
+        "of --steps or of the time to --time-limit or a SLURM job's end, whichever comes first "
+        "(a final phase; a resumed run may set or move it before it comes)", type=step_or_share,
         metavar="STEP|SHARE%",  # a TrainConfig's: a step, a share (0.9) or this text ("90%")
         text=lambda v: f"{v * 100:.15g}%" if isinstance(v, float) else v)
     sample_every: int | None = option(None, "steps between sample grids", type=positive_int)

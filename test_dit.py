@@ -3448,7 +3448,7 @@ def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(t
     ends at once. Each stop leaves a checkpoint and says so; the run ends bit for bit as the run
     that was never stopped, its history whole, and `report` reads it as one run."""
     steps, name = 1200, f"dit-chain-{os.getpid()}"
-    args = job_args(folder_data, steps, ["--ckpt-every", "100000"])
+    args = job_args(folder_data, steps, ["--ckpt-every", "100000", "--keep", "10"])
     straight = tmp_path / "straight"
     run_dit(tmp_path, [*args, "--run-dir", str(straight)])
     script = tiny_job(tmp_path, "dit-S2-in100", args, patch=SLOW_STEPS,
