@@ -3428,15 +3428,16 @@ def wait_for_jobs(name, timeout=900):
 def job_output(tmp_path, name, job):
     return (tmp_path / f"{name}-{job}.out").read_text()
 
-# Adds 0.1 s to each step, in the loop itself (the loader's thread would hide it), so that the
-# jobs' stops, which come tens of seconds apart, fall mid-run.
+# In a job whose environment sets SLOW_STEPS, 0.1 s more a step, in the loop itself (the loader's
+# thread would hide it), so that the jobs' stops, which come tens of seconds apart, fall mid-run.
 SLOW_STEPS = """
 import time
 reason = dit.Stop.reason
 def slow_reason(self, done):
     time.sleep(0.1)
     return reason(self, done)
-dit.Stop.reason = slow_reason
+if os.environ.get("SLOW_STEPS"):
+    dit.Stop.reason = slow_reason
 """
 
 @slow
@@ -3457,8 +3458,9 @@ def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(t
     # SLURM sends --signal's warning up to a minute before the time asked: at 20 to 80 s into
     # the second job, whose own stop would come at 90 s; at 59 s or later into the third, which
     # stops itself at 30 s.
-    jobs = [sbatch(script, "--time=10"), sbatch(script, "--time=3", "--signal=USR1@100"),
-            sbatch(script, "--time=2", "--signal=USR1@1"), sbatch(script, "--time=10"),
+    slow = "--export=ALL,SLOW_STEPS=1"
+    jobs = [sbatch(script, slow, "--time=10"), sbatch(script, slow, "--time=3", "--signal=USR1@100"),
+            sbatch(script, slow, "--time=2", "--signal=USR1@1"), sbatch(script, "--time=10"),
             sbatch(script, "--time=10")]
     deadline = time.monotonic() + 300
     while not (run / "metrics.jsonl").exists() or len(records(run)) < 3:
