@@ -2658,6 +2658,72 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_dat
     assert ([r for r in resumed if "val_loss" in r]
             == [r for r in records(straight_run) if "val_loss" in r])
 
+# Holds its run directory: at its second batch it says so in a file, then waits to be killed.
+WAIT_AT_SECOND_BATCH = """
+import time
+batch = dit.Loader.batch
+def batch_and_wait(self, step):
+    if step == 1:
+        open({marker!r}, "w").close()
+        time.sleep(300)
+    return batch(self, step)
+dit.Loader.batch = batch_and_wait
+"""
+
+@slow
+def test_a_run_directory_holds_one_run_and_a_killed_holder_lets_go(tmp_path, folder_data):
+    """A second run started in a run directory in use ends in one line naming the holder's host
+    and process id, before its work; once the holder is killed (-9), a run starts there and logs
+    each step once."""
+    run_dir, marker = tmp_path / "run", tmp_path / "holding"
+    args = train_args(folder_data, run_dir, 3)
+    script = tmp_path / "holder.py"
+    script.write_text(DRIVER.format(here=HERE, patch=WAIT_AT_SECOND_BATCH.format(
+        marker=str(marker))))
+    holder = subprocess.Popen([sys.executable, str(script), *args], env=process_env(1),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the first run ended"
+            time.sleep(0.5)
+        second = run_dit(tmp_path, args, check=False)
+        assert second.returncode == 1 and "DiT-XS/2" not in second.stdout
+        assert second.stderr.splitlines() == [
+            f"error: {run_dir} is in use by the run of process {holder.pid} on "
+            f"{socket.gethostname()} (it holds {run_dir / 'lock'}): wait for it to end, or train "
+            f"in another --run-dir"]
+    finally:
+        holder.kill()
+        holder.wait()
+    run_dit(tmp_path, args)
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == [1, 2, 3]
+
+def test_a_process_holds_a_run_directory_once_and_lets_go_at_the_end(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A second hold by the same process (a notebook's train() while another runs in a thread) is
+    refused too, naming this process; a hold ends with its block, an error's too. A file system
+    without locks lets the run go on with a note."""
+    refused = (f"{tmp_path} is in use by the run of process {os.getpid()} on "
+               f"{socket.gethostname()}")
+    with dit.holding(str(tmp_path), local_disks=False):
+        with pytest.raises(dit.InputError, match=re.escape(refused)):
+            with dit.holding(str(tmp_path), local_disks=False):
+                pass
+    with pytest.raises(KeyboardInterrupt):
+        with dit.holding(str(tmp_path), local_disks=False):
+            raise KeyboardInterrupt
+    with dit.holding(str(tmp_path), local_disks=False):
+        assert str(tmp_path) in dit.HELD_RUN_DIRS
+    assert not dit.HELD_RUN_DIRS
+    # a file system without locks: the run goes on, with a note
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(dit.fcntl, "lockf", no_locks)
+    with dit.holding(str(tmp_path), local_disks=False):
+        assert capsys.readouterr().out.startswith(f"note: {tmp_path / 'lock'} cannot be locked "
+                                                  f"({os.strerror(errno.ENOLCK)})")
+
 def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
     """Inside `with Stop`, SIGTERM and a first SIGINT ask for a stop, a second SIGINT raises
     KeyboardInterrupt at once; outside, the handlers from before are back (a notebook calls main()
@@ -3941,6 +4007,52 @@ def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, str
     load = lambda name: np.load(tmp_path / name)["arr_0"]  # noqa: E731
     np.testing.assert_array_equal(load("default.npz"), load("sweep_cfg1.5.npz"))
     assert (load("sweep_cfg4.npz") != load("default.npz")).any()
+
+def began(*args, **kwargs):
+    raise AssertionError("the work began before the output path was checked")
+
+@slow
+def test_every_command_refuses_an_unusable_output_path_before_its_work(tmp_path, folder_data,
+                                                                       straight_run, monkeypatch):
+    """An output under a regular file (refused to root too), or a file's output that is a folder:
+    each command ends in one line naming the user's path, before its work (here `began`); sample
+    --fid's folder is made for one setting and for many alike."""
+    ckpt, file = dit.list_checkpoints(straight_run)[-1], tmp_path / "file"
+    file.write_text("")
+    under, folder = str(file / "out" / "x.npz"), str(tmp_path)
+    sample = ["sample", "--ckpt", ckpt, "--steps", "2"]
+    fid_sample = [*sample, "--fid", "2", "--batch-size", "2"]
+    cases = [  # (the call, the path that its message names, the work that must not begin)
+        (dit.main, train_args(folder_data, file / "run", 2), file / "run", (dit, "load_dataset")),
+        (dit.main, train_args(folder_data, tmp_path / "run", 20, ["--profile", under]), under,
+         (dit, "jit_train_step")),
+        (dit.main, [*sample, "--out", under], under, (dit.Sampler, "__call__")),
+        (dit.main, [*sample, "--out", folder], folder, (dit.Sampler, "__call__")),
+        (dit.main, [*sample, "--gif", under], under, (dit.Sampler, "__call__")),
+        (dit.main, [*fid_sample, "--out", under], under, (dit.Sampler, "__call__")),
+        (dit.main, [*fid_sample, "--out", folder], folder, (dit.Sampler, "__call__")),
+        (dit.main, [*fid_sample, "--cfg-scale", "1,2", "--out", under],
+         str(file / "out" / "x_cfg1.npz"), (dit.Sampler, "__call__")),
+        (dit.main, ["export", "--ckpt", ckpt, "--out", under], under, (dit, "load_model")),
+        (dit.main, ["export", "--ckpt", ckpt, "--out", folder], folder, (dit, "load_model")),
+        (dit.main, ["report", str(straight_run), "--out", under], under, (dit, "RunRecords")),
+        (dit.main, ["report", str(straight_run), "--out", str(file)], str(file),
+         (dit, "RunRecords")),
+        (dit.main, ["bench", "--size", "XS", "--profile", under], under, (dit, "init_state")),
+        (fid.main, ["stats", folder_data, under], under, (fid, "load_images")),
+        (fid.main, ["ref", folder_data, folder], folder, (fid, "load_images")),
+        (prepare_imagenet100.main, [folder_data, under], under,
+         (prepare_imagenet100, "find_images"))]
+    for call, argv, path, (owner, work) in cases:
+        with monkeypatch.context() as m:
+            m.setattr(owner, work, began)
+            with pytest.raises(dit.InputError) as e:
+                call(argv)
+        message = str(e.value)
+        assert message.startswith(f"cannot write {path}: "), (argv, message)
+        assert ".tmp" not in message and "\n" not in message, message
+    dit.main([*fid_sample, "--cfg-scale", "1,2", "--out", str(tmp_path / "new" / "x.npz")])
+    assert sorted(os.listdir(tmp_path / "new")) == ["x_cfg1.npz", "x_cfg2.npz"]
 
 def test_parser_built_from_the_configuration_keeps_every_option_and_default():
     """Each command's options and defaults as the release before the configuration dataclasses
