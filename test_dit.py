@@ -3075,7 +3075,7 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
     assert [out.splitlines()[-1] for out in outs] == [line, line], outs
     # --resume names a file on host 0's disk only (its contents are never read: process 1 has
     # none, which ends both first)
-    (tmp_path / "host0").mkdir()
+    (tmp_path / "host0").mkdir(exist_ok=True)  # made by the first runs: their --run-dir's parent
     (tmp_path / "host0" / "step_0000002.npz").touch()
     argv = train_args(folder_data, "run", 2, ["--resume", "step_0000002.npz"])
     codes, outs = two_processes(tmp_path, [argv, argv], cwds=[tmp_path / "host0",
@@ -3832,10 +3832,11 @@ def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
         tmp_path / "report" / "curves.png").size
 
 @slow
-def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch):
+def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch, capsys):
     """`sample --fid --ref` on a run's exported weights adds the scores it prints to the run's
     metrics.jsonl at the step the weights were exported from; `report` draws them, and counts the
-    parameters of the run's model from its newest checkpoint."""
+    parameters of the run's model from its newest checkpoint. A run that cannot be written gets a
+    note."""
     run_dir = tmp_path / "run"
     shutil.copytree(straight_run, run_dir)
     ref = tmp_path / "ref.npz"
@@ -3861,6 +3862,21 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
     np.testing.assert_array_equal(xy(line), [[1, 3], [r["fid"] for r in logged]])
     model = dit.load_model(dit.list_checkpoints(run_dir)[-1])[0]
     assert f"| {dit.count_params(model):,} | 9 |" in (tmp_path / "out" / "report.md").read_text()
+    # a run folder that cannot be written (a read-only copy): its weights are scored all the same
+    temporary_file = tempfile.TemporaryFile
+
+    def read_only_run(*args, dir=None, **kwargs):
+        if dir == str(run_dir):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return temporary_file(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only_run)
+    capsys.readouterr()
+    printed = dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "4",
+                        "--batch-size", "4", "--steps", "2", "--ref", str(ref), "--out",
+                        str(tmp_path / "again.npz")])
+    assert printed["guidance 1.5"]["fid"] == 103 and records(run_dir)[-1] == logged[-1]
+    assert (f"note: cannot write {run_dir / 'metrics.jsonl'}: no file can be made in {run_dir} "
+            f"({os.strerror(errno.EROFS)}); the scores are printed only") in capsys.readouterr().out
 
 @slow
 def test_autoguidance_sweep_by_the_runs_kept_ema(tmp_path, straight_run, monkeypatch):
