@@ -2662,8 +2662,8 @@ def holding(run_dir, local_disks):
     # Locked by the processes that write the run directory (process 0, or every host on its own
     # disk); a run directory in use ends every host.
     # An fcntl lock ends with its process, a killed (-9) one too; NFS's lock manager (GPFS too, and
-    # Lustre mounted with -o flock) holds it for every client of a shared folder. The lock file stays:
-    # deleted, a third run could lock a new file while the second holds the old.
+    # Lustre mounted with -o flock) holds it for every client of a shared folder. The file stays:
+    # deleted, it would let a third run lock a new file while the second holds the old.
     path, key, lock = os.path.join(run_dir, "lock"), os.path.realpath(run_dir), None
     try:
         with on_every_host():

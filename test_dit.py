@@ -4088,6 +4088,12 @@ def test_parser_built_from_the_configuration_keeps_every_option_and_default():
         fields = {f.name for f in dataclasses.fields(dit.COMMANDS[name])}
         assert {a.dest for a in commands[name]._actions if a.dest != "help"} == fields, name
 
+def test_every_option_says_what_it_does():
+    """Each option of each command has its --help text."""
+    for name, config_class in dit.COMMANDS.items():
+        silent = [f.name for f in dataclasses.fields(config_class) if not f.metadata.get("help")]
+        assert not silent, (name, silent)
+
 def readme_commands():
     """The words after `dit.py` of each `python dit.py ...` command in the README: continued lines
     and inline code joined, a shell variable's command (S="python dit.py ...") where it is used
