@@ -50,6 +50,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import gzip
 import hashlib
@@ -70,6 +71,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import types
@@ -2052,15 +2054,36 @@ def write_atomically(path, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.filename == tmp:  # named as the user named it
+            raise OSError(e.errno, e.strerror, path) from None
         raise
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+def writable(path, folder=False):
+    """`path` with its folder (folder=True: itself) made and written in, or an InputError."""
+    # Called before the work whose output it is to hold, which a path refused afterwards would lose.
+    where = path if folder else os.path.dirname(path) or "."
+    if not folder and os.path.isdir(path):
+        raise InputError(f"cannot write {path}: it is a folder; give the path of a file")
+    try:
+        os.makedirs(where, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):  # a write: what refuses root too (a read-only disk)
+            pass
+    except OSError as e:
+        found = where  # what stands in the way: the deepest part of the path that exists
+        while not os.path.lexists(found):
+            found = os.path.dirname(found) or "."
+        why = (f"{found} is not a folder" if not os.path.isdir(found)
+               else f"no file can be made in {found} ({e.strerror})")
+        raise InputError(f"cannot write {path}: {why}") from None
+    return path
 
 def save_checkpoint(run_dir, state, meta, keep, local_disks=False, keep_ema=()):
     """Save checkpoints/step_XXXXXXX.npz, keep the newest `keep`, return its path; at `keep_ema`'s
@@ -2199,6 +2222,9 @@ class StepTrace:
         if directory and steps < self.end:
             raise InputError(f"--profile traces steps {self.first + 1} to {self.end}, after step "
                              f"{start} where this run starts; it ends at step {steps}")
+        with on_every_host():  # each process writes its own trace
+            if directory:
+                writable(directory, folder=True)
 
     def __call__(self, step, state):
         if self.directory and step in (self.first, self.end):
@@ -2555,10 +2581,9 @@ def auxiliary_terms(config, cfg):
         terms.append(Internal(config.internal_weight))
     return tuple(terms)
 
-def open_run(config, cfg, ds, objective, masking, terms):
-    """(checkpoint to resume or None, checkpoint metadata, whether each host keeps its own run
-    directory). A new run directory gets run.json, and --resume's run's history; an existing one
-    must hold the same run."""
+def open_run(config, cfg, ds, objective, masking, terms, local_disks):
+    """(checkpoint to resume or None, checkpoint metadata). A new run directory gets run.json, and
+    --resume's run's history; an existing one must hold the same run."""
     record = {**dataclasses.asdict(config), "dataset_size": len(ds), "num_classes": ds.num_classes,
               "masking": dataclasses.asdict(masking) if masking else None,
               "terms": {t.name: dataclasses.asdict(t) for t in terms} or None}
@@ -2592,7 +2617,6 @@ def open_run(config, cfg, ds, objective, masking, terms):
                                  f"--run-dir, or the same settings to resume it.")
         # a new run directory that goes on from another run's checkpoint goes on with its history
         before = None if automatic or os.path.exists(path) else run_of(checkpoint)
-    local_disks = not run_dir_is_shared(config.run_dir)
     writes = local_disks or jax.process_index() == 0
     with on_every_host():  # a host that cannot copy the history ends them all
         if writes and not os.path.exists(path):
@@ -2611,7 +2635,7 @@ def open_run(config, cfg, ds, objective, masking, terms):
         for name in os.listdir(ckpt_dir):
             if ".npz.tmp" in name:  # half-written by a save that a crash interrupted
                 os.remove(os.path.join(ckpt_dir, name))
-    return checkpoint, meta, local_disks
+    return checkpoint, meta
 
 def copy_history(source, run_dir, step):
     """Begin run_dir with `source`'s history up to `step` (metrics, samples/, ema/); `source` is
@@ -2675,7 +2699,7 @@ def run_dir_is_shared(run_dir):
     probe = os.path.join(run_dir, f".shared-{int(token)}")
     with on_every_host():
         try:
-            os.makedirs(run_dir, exist_ok=True)
+            writable(run_dir, folder=True)
             if jax.process_index() == 0:
                 write_atomically(probe, lambda f: None)
         except OSError as e:
@@ -2690,6 +2714,48 @@ def run_dir_is_shared(run_dir):
         raise InputError(f"some hosts see process 0's {run_dir} and others do not: make it a "
                          f"folder that all hosts share, or one on each host's own disk")
     return bool(seen.all())
+
+# The run directories that this process's runs hold: a POSIX lock does not keep out the process
+# that holds it (a notebook's second train() while the first still runs in a thread).
+HELD_RUN_DIRS = set()
+
+@contextlib.contextmanager
+def holding(run_dir, local_disks):
+    """RUN/lock, held by one run at a time."""
+    # Locked by the processes that write the run directory (process 0, or every host on its own
+    # disk); a run directory in use ends every host.
+    # An fcntl lock ends with its process, a killed (-9) one too; NFS's lock manager (GPFS too, and
+    # Lustre mounted with -o flock) holds it for every client of a shared folder. The file stays:
+    # deleted, it would let a third run lock a new file while the second holds the old.
+    path, key, lock = os.path.join(run_dir, "lock"), os.path.realpath(run_dir), None
+    try:
+        with on_every_host():
+            if local_disks or jax.process_index() == 0:
+                if key not in HELD_RUN_DIRS:  # checked first: closing a second copy lifts our lock
+                    lock = open(path, "a+")
+                    try:
+                        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except (BlockingIOError, PermissionError):  # held by another process
+                        lock.close()
+                        lock = None
+                    except OSError as e:  # a file system without locks (Lustre without -o flock)
+                        print(f"note: {path} cannot be locked ({e.strerror}): nothing but this "
+                              f"note keeps a second run out of {run_dir}")
+                if lock is None:
+                    with open(path) as f:
+                        holder = f.read().split()  # empty until its holder has written it
+                    who = f"process {holder[1]} on {holder[0]}" if len(holder) == 2 else "a process"
+                    raise InputError(f"{run_dir} is in use by the run of {who} (it holds {path}): "
+                                     f"wait for it to end, or train in another --run-dir")
+                lock.truncate(0)
+                lock.write(f"{socket.gethostname()} {os.getpid()}\n")
+                lock.flush()
+                HELD_RUN_DIRS.add(key)
+        yield
+    finally:
+        if lock is not None:
+            HELD_RUN_DIRS.discard(key)
+            lock.close()  # which lifts the lock
 
 def agree_on_checkpoint(run_dir, checkpoint, automatic):
     """The checkpoint all processes resume from; on a disk per host, the newest that all have."""
@@ -2845,14 +2911,21 @@ def params_line(model):
     return f"{n:,} parameters" + (f" ({sampled:,} at sampling)" if sampled != n else "")
 
 def train(config):
-    """Train a DiT as a TrainConfig says, from --resume's checkpoint or else the newest in its
-    run directory, if any."""
-    # The devices, the data, and the model, objective and optimizer that fit it.
+    """Train a DiT as a TrainConfig says, from --resume's checkpoint or else its run directory's
+    newest."""
+    # The devices, and the run directory, held by this run alone until it ends.
     config = with_defaults(checked(config))
     config = start_devices(config, config.batch_size)
     use_compile_cache(config.compile_cache)  # before anything compiles
     mesh = make_mesh()
     check_batch_size(config.batch_size)
+    local_disks = not run_dir_is_shared(config.run_dir)  # made and written to, or refused
+    with holding(config.run_dir, local_disks):  # to the end: the final FID and export too
+        return train_in(config, mesh, local_disks)
+
+def train_in(config, mesh, local_disks):
+    """train's work, in its run directory."""
+    # The data, and the model, objective and optimizer that fit it.
     if jax.process_index() == 0:  # told first, before the data and the model take their time
         for note in session_notes(config.run_dir, config.time_limit, jax.default_backend(),
                                   os.environ):
@@ -2870,7 +2943,7 @@ def train(config):
 
     # The run directory, and the state: restored from a checkpoint, or new.
     stop = Stop(config.time_limit, slurm_job_end(os.environ))  # the time limit counts from here
-    checkpoint, meta, local_disks = open_run(config, cfg, ds, objective, masking, terms)
+    checkpoint, meta = open_run(config, cfg, ds, objective, masking, terms, local_disks)
     graphdef, state, shardings = init_state(cfg, tx, config.seed, mesh, config.fsdp,
                                             compute_dtype(config.precision), config.remat,
                                             checkpoint)
@@ -3356,6 +3429,8 @@ def bench(config):
     """Speed with random weights: the training step (and with masking, with each term), the forward
     pass, and FID-N end to end. Returns figures."""
     config = checked(config)
+    if config.profile:
+        writable(config.profile, folder=True)
     config = start_devices(config, config.batch_size)
     mesh = make_mesh()
     check_batch_size(config.batch_size)
@@ -3722,13 +3797,13 @@ class Report:
 def report(run_dirs, out, axis="steps"):
     """report.md and curves.png in `out` for `run_dirs`, against steps or hours (`axis`); without
     matplotlib, report.md alone."""
+    writable(out, folder=True)
     runs = [RunRecords(d) for d in run_dirs]
     labels = run_labels(runs)
     try:
         import matplotlib  # optional, as tensorboard is: Colab and Kaggle have it
     except ImportError:
         matplotlib = None
-    os.makedirs(out, exist_ok=True)
     markdown, curves = os.path.join(out, "report.md"), os.path.join(out, "curves.png")
     with open(markdown, "w", encoding="utf-8") as f:
         f.write(report_table(runs, labels, out, curves=matplotlib is not None))
@@ -3875,8 +3950,13 @@ class ModelOptions:
     dispersive: bool = option(False, "dispersive loss on a block's tokens", action="store_true")
     dispersive_block: int | None = option(None, "its block (default: the last)",
                                           type=positive_int, metavar="K")
-    dispersive_weight: float = option(0.5, type=positive_float, metavar="W")
-    dispersive_temperature: float = option(1.0, type=positive_float, metavar="TAU")
+    dispersive_weight: float = option(0.5, "its weight in the loss (default: 0.5, its official "
+                                      "code's)", type=positive_float, metavar="W")
+    dispersive_temperature: float = option(1.0, "TAU of its similarities exp(-||z_i - z_j||^2 / "
+                                           "(n TAU)), z a sample's n numbers after the block: a "
+                                           "lower TAU weighs the nearest pairs more (default: 1, "
+                                           "its official code's)", type=positive_float,
+                                           metavar="TAU")
     sra: bool = option(False, "self-representation alignment: a block aligned through a "
                        "projection head to a later block of the EMA weights", action="store_true")
     sra_blocks: tuple[int, int] | None = option(None, "its blocks (default: a third and two "
@@ -3885,13 +3965,16 @@ class ModelOptions:
                                                 metavar=("STUDENT", "TEACHER"))
     sra_offset: float = option(0.2, "the teacher's noise level is lower by up to this (uniform "
                                "per sample)", type=positive_float, metavar="DT")
-    sra_weight: float = option(0.5, type=positive_float, metavar="W")
+    sra_weight: float = option(0.5, "its weight in the loss (default: 0.5, its paper's)",
+                               type=positive_float, metavar="W")
     internal_guidance: bool = option(False, "an output head after an intermediate block, trained "
                                      "with the model, for `sample --internal-scale`",
                                      action="store_true")
     internal_block: int | None = option(None, "its block (default: 8 of 28 scaled to the depth, 3 "
                                         "on DiT-S)", type=positive_int, metavar="K", run=True)
-    internal_weight: float = option(0.5, type=positive_float, metavar="W")
+    internal_weight: float = option(0.5, "the weight of the internal head's loss in the loss "
+                                    "(default: 0.5, its paper's)", type=positive_float,
+                                    metavar="W")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightOptions:
@@ -4282,6 +4365,14 @@ def sample_command(config):
             text, suffix = text + f", internal guidance {internal:g}", suffix + f"_ig{internal:g}"
         return text, suffix
 
+    # Every file's folder made, or its path refused, before the sampling, which can take hours.
+    root, ext = os.path.splitext(config.out or ("samples.npz" if config.fid else "samples.png"))
+    outs = ([root + (described(*s)[1] if len(settings) > 1 else "") + ext for s in settings]
+            if config.fid else [root + ext] + ([config.gif] if config.gif else []))
+    with on_every_host():  # process 0 writes them
+        if jax.process_index() == 0:
+            for path in outs:
+                writable(path)
     if not config.fid:
         sampler = sampler_of(*settings[0])
         n = device_multiple(config.n)
@@ -4293,9 +4384,8 @@ def sample_command(config):
         images, trajectory = out if config.gif else (out, None)
         if jax.process_index() != 0:
             return
-        out_path = config.out or "samples.png"
-        grid = save_grid(images[:config.n], out_path)
-        print(f"{config.n} samples -> {out_path} ({sampler.seconds['sample']:.1f} s)")
+        grid = save_grid(images[:config.n], outs[0])
+        print(f"{config.n} samples -> {outs[0]} ({sampler.seconds['sample']:.1f} s)")
         if config.gif:
             grids = [make_grid(frame[:config.n]) for frame in trajectory]
             # hold the final grid for a while before the animation loops
@@ -4305,11 +4395,15 @@ def sample_command(config):
         return grid
     # the run that the weights are a step of, whose metrics the scores join
     run_dir = run_of(config.ckpt) if isinstance(meta.get("step"), int) else None
-    root, ext = os.path.splitext(config.out or "samples.npz")
+    if run_dir and reference and jax.process_index() == 0:
+        try:  # a read-only copy of a run (a Kaggle version's output) is sampled all the same
+            writable(os.path.join(run_dir, "metrics.jsonl"))
+        except InputError as e:
+            print(f"note: {e}; the scores are printed only")
+            run_dir = None
     scores = {}
-    for scale, interval, (guide, w), internal in settings:
-        setting, suffix = described(scale, interval, (guide, w), internal)
-        out = root + (suffix if len(settings) > 1 else "") + ext
+    for (scale, interval, (guide, w), internal), out in zip(settings, outs):
+        setting = described(scale, interval, (guide, w), internal)[0]
 
         def save(images, labels):
             if jax.process_index() == 0:
@@ -4331,6 +4425,8 @@ def sample_command(config):
                           "guide_scale": w, "internal_scale": internal, "sampler": method,
                           "sample_steps": steps,
                           **fid_record(result)}
+                # Without the run's lock, so that a run's checkpoints are scored while it trains:
+                # one line appended whole (a run resumed meanwhile drops it with its later records).
                 with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(record) + "\n")
     if run_dir and reference:
@@ -4340,7 +4436,7 @@ def sample_command(config):
 
 def export(config):
     """`python dit.py export`."""
-    out = export_ema(config.ckpt, config.out)
+    out = export_ema(config.ckpt, writable(config.out))
     print("EMA weights:", out)
     return out
 

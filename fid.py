@@ -1158,6 +1158,9 @@ def main(argv=None):
             raise dit.InputError(
                 f"{args.source} already holds statistics (mu, sigma); give images to "
                 f"compute them from")
+        with dit.on_every_host():  # process 0 writes it, once the features are computed
+            if jax.process_index() == 0:
+                dit.writable(args.out)
         out = features(args.source, protocol)
         if jax.process_index() == 0:
             if args.command == "stats":

@@ -232,7 +232,7 @@ def main(argv=None):
     src, out = (os.path.abspath(args.src),
                 os.path.join(args.out, "val") if args.split == "val" else args.out)
     size = args.pixels or args.resolution
-    os.makedirs(out, exist_ok=True)
+    dit.writable(out, folder=True)
     manifest_path = os.path.join(out, "manifest.json")
     manifest = None
     if os.path.exists(manifest_path):

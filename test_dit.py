@@ -2658,6 +2658,72 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_dat
     assert ([r for r in resumed if "val_loss" in r]
             == [r for r in records(straight_run) if "val_loss" in r])
 
+# Holds its run directory: at its second batch it says so in a file, then waits to be killed.
+WAIT_AT_SECOND_BATCH = """
+import time
+batch = dit.Loader.batch
+def batch_and_wait(self, step):
+    if step == 1:
+        open({marker!r}, "w").close()
+        time.sleep(300)
+    return batch(self, step)
+dit.Loader.batch = batch_and_wait
+"""
+
+@slow
+def test_a_run_directory_holds_one_run_and_a_killed_holder_lets_go(tmp_path, folder_data):
+    """A second run started in a run directory in use ends in one line naming the holder's host
+    and process id, before its work; once the holder is killed (-9), a run starts there and logs
+    each step once."""
+    run_dir, marker = tmp_path / "run", tmp_path / "holding"
+    args = train_args(folder_data, run_dir, 3)
+    script = tmp_path / "holder.py"
+    script.write_text(DRIVER.format(here=HERE, patch=WAIT_AT_SECOND_BATCH.format(
+        marker=str(marker))))
+    holder = subprocess.Popen([sys.executable, str(script), *args], env=process_env(1),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the first run ended"
+            time.sleep(0.5)
+        second = run_dit(tmp_path, args, check=False)
+        assert second.returncode == 1 and "DiT-XS/2" not in second.stdout
+        assert second.stderr.splitlines() == [
+            f"error: {run_dir} is in use by the run of process {holder.pid} on "
+            f"{socket.gethostname()} (it holds {run_dir / 'lock'}): wait for it to end, or train "
+            f"in another --run-dir"]
+    finally:
+        holder.kill()
+        holder.wait()
+    run_dit(tmp_path, args)
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == [1, 2, 3]
+
+def test_a_process_holds_a_run_directory_once_and_lets_go_at_the_end(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A second hold by the same process (a notebook's train() while another runs in a thread) is
+    refused too, naming this process; a hold ends with its block, an error's too. A file system
+    without locks lets the run go on with a note."""
+    refused = (f"{tmp_path} is in use by the run of process {os.getpid()} on "
+               f"{socket.gethostname()}")
+    with dit.holding(str(tmp_path), local_disks=False):
+        with pytest.raises(dit.InputError, match=re.escape(refused)):
+            with dit.holding(str(tmp_path), local_disks=False):
+                pass
+    with pytest.raises(KeyboardInterrupt):
+        with dit.holding(str(tmp_path), local_disks=False):
+            raise KeyboardInterrupt
+    with dit.holding(str(tmp_path), local_disks=False):
+        assert str(tmp_path) in dit.HELD_RUN_DIRS
+    assert not dit.HELD_RUN_DIRS
+    # a file system without locks: the run goes on, with a note
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(dit.fcntl, "lockf", no_locks)
+    with dit.holding(str(tmp_path), local_disks=False):
+        assert capsys.readouterr().out.startswith(f"note: {tmp_path / 'lock'} cannot be locked "
+                                                  f"({os.strerror(errno.ENOLCK)})")
+
 def test_stop_handles_signals_only_inside_and_only_in_the_main_thread():
     """Inside `with Stop`, SIGTERM and a first SIGINT ask for a stop, a second SIGINT raises
     KeyboardInterrupt at once; outside, the handlers from before are back (a notebook calls main()
@@ -3105,7 +3171,7 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
     assert [out.splitlines()[-1] for out in outs] == [line, line], outs
     # --resume names a file on host 0's disk only (its contents are never read: process 1 has
     # none, which ends both first)
-    (tmp_path / "host0").mkdir()
+    (tmp_path / "host0").mkdir(exist_ok=True)  # made by the first runs: their --run-dir's parent
     (tmp_path / "host0" / "step_0000002.npz").touch()
     argv = train_args(folder_data, "run", 2, ["--resume", "step_0000002.npz"])
     codes, outs = two_processes(tmp_path, [argv, argv], cwds=[tmp_path / "host0",
@@ -4043,10 +4109,11 @@ def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
         tmp_path / "report" / "curves.png").size
 
 @slow
-def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch):
+def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch, capsys):
     """`sample --fid --ref` on a run's exported weights adds the scores it prints to the run's
     metrics.jsonl at the step the weights were exported from; `report` draws them, and counts the
-    parameters of the run's model from its newest checkpoint."""
+    parameters of the run's model from its newest checkpoint. A run that cannot be written gets a
+    note."""
     run_dir = tmp_path / "run"
     shutil.copytree(straight_run, run_dir)
     ref = tmp_path / "ref.npz"
@@ -4072,6 +4139,21 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
     np.testing.assert_array_equal(xy(line), [[1, 3], [r["fid"] for r in logged]])
     model = dit.load_model(dit.list_checkpoints(run_dir)[-1])[0]
     assert f"| {dit.count_params(model):,} | 9 |" in (tmp_path / "out" / "report.md").read_text()
+    # a run folder that cannot be written (a read-only copy): its weights are scored all the same
+    temporary_file = tempfile.TemporaryFile
+
+    def read_only_run(*args, dir=None, **kwargs):
+        if dir == str(run_dir):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return temporary_file(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only_run)
+    capsys.readouterr()
+    printed = dit.main(["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "4",
+                        "--batch-size", "4", "--steps", "2", "--ref", str(ref), "--out",
+                        str(tmp_path / "again.npz")])
+    assert printed["guidance 1.5"]["fid"] == 103 and records(run_dir)[-1] == logged[-1]
+    assert (f"note: cannot write {run_dir / 'metrics.jsonl'}: no file can be made in {run_dir} "
+            f"({os.strerror(errno.EROFS)}); the scores are printed only") in capsys.readouterr().out
 
 @slow
 def test_autoguidance_sweep_by_the_runs_kept_ema(tmp_path, straight_run, monkeypatch):
@@ -4219,6 +4301,52 @@ def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, str
     np.testing.assert_array_equal(load("default.npz"), load("sweep_cfg1.5.npz"))
     assert (load("sweep_cfg4.npz") != load("default.npz")).any()
 
+def began(*args, **kwargs):
+    raise AssertionError("the work began before the output path was checked")
+
+@slow
+def test_every_command_refuses_an_unusable_output_path_before_its_work(tmp_path, folder_data,
+                                                                       straight_run, monkeypatch):
+    """An output under a regular file (refused to root too), or a file's output that is a folder:
+    each command ends in one line naming the user's path, before its work (here `began`); sample
+    --fid's folder is made for one setting and for many alike."""
+    ckpt, file = dit.list_checkpoints(straight_run)[-1], tmp_path / "file"
+    file.write_text("")
+    under, folder = str(file / "out" / "x.npz"), str(tmp_path)
+    sample = ["sample", "--ckpt", ckpt, "--steps", "2"]
+    fid_sample = [*sample, "--fid", "2", "--batch-size", "2"]
+    cases = [  # (the call, the path that its message names, the work that must not begin)
+        (dit.main, train_args(folder_data, file / "run", 2), file / "run", (dit, "load_dataset")),
+        (dit.main, train_args(folder_data, tmp_path / "run", 20, ["--profile", under]), under,
+         (dit, "jit_train_step")),
+        (dit.main, [*sample, "--out", under], under, (dit.Sampler, "__call__")),
+        (dit.main, [*sample, "--out", folder], folder, (dit.Sampler, "__call__")),
+        (dit.main, [*sample, "--gif", under], under, (dit.Sampler, "__call__")),
+        (dit.main, [*fid_sample, "--out", under], under, (dit.Sampler, "__call__")),
+        (dit.main, [*fid_sample, "--out", folder], folder, (dit.Sampler, "__call__")),
+        (dit.main, [*fid_sample, "--cfg-scale", "1,2", "--out", under],
+         str(file / "out" / "x_cfg1.npz"), (dit.Sampler, "__call__")),
+        (dit.main, ["export", "--ckpt", ckpt, "--out", under], under, (dit, "load_model")),
+        (dit.main, ["export", "--ckpt", ckpt, "--out", folder], folder, (dit, "load_model")),
+        (dit.main, ["report", str(straight_run), "--out", under], under, (dit, "RunRecords")),
+        (dit.main, ["report", str(straight_run), "--out", str(file)], str(file),
+         (dit, "RunRecords")),
+        (dit.main, ["bench", "--size", "XS", "--profile", under], under, (dit, "init_state")),
+        (fid.main, ["stats", folder_data, under], under, (fid, "load_images")),
+        (fid.main, ["ref", folder_data, folder], folder, (fid, "load_images")),
+        (prepare_imagenet100.main, [folder_data, under], under,
+         (prepare_imagenet100, "find_images"))]
+    for call, argv, path, (owner, work) in cases:
+        with monkeypatch.context() as m:
+            m.setattr(owner, work, began)
+            with pytest.raises(dit.InputError) as e:
+                call(argv)
+        message = str(e.value)
+        assert message.startswith(f"cannot write {path}: "), (argv, message)
+        assert ".tmp" not in message and "\n" not in message, message
+    dit.main([*fid_sample, "--cfg-scale", "1,2", "--out", str(tmp_path / "new" / "x.npz")])
+    assert sorted(os.listdir(tmp_path / "new")) == ["x_cfg1.npz", "x_cfg2.npz"]
+
 def test_parser_built_from_the_configuration_keeps_every_option_and_default():
     """Each command's options and defaults as the release before the configuration dataclasses
     parsed them (fixtures/options_before.json, written by fixtures/options_before.py) are all
@@ -4237,6 +4365,12 @@ def test_parser_built_from_the_configuration_keeps_every_option_and_default():
         assert {k: json.loads(json.dumps(now[k])) for k in options} == options, name
         fields = {f.name for f in dataclasses.fields(dit.COMMANDS[name])}
         assert {a.dest for a in commands[name]._actions if a.dest != "help"} == fields, name
+
+def test_every_option_says_what_it_does():
+    """Each option of each command has its --help text."""
+    for name, config_class in dit.COMMANDS.items():
+        silent = [f.name for f in dataclasses.fields(config_class) if not f.metadata.get("help")]
+        assert not silent, (name, silent)
 
 def readme_commands():
     """The words after `dit.py` of each `python dit.py ...` command in the README: continued lines
