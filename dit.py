@@ -50,7 +50,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import gzip
 import hashlib
@@ -2734,13 +2733,15 @@ def holding(run_dir, local_disks):
                 if key not in HELD_RUN_DIRS:  # checked first: closing a second copy lifts our lock
                     lock = open(path, "a+")
                     try:
+                        import fcntl  # POSIX's: Windows has none
                         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except (BlockingIOError, PermissionError):  # held by another process
                         lock.close()
                         lock = None
-                    except OSError as e:  # a file system without locks (Lustre without -o flock)
-                        print(f"note: {path} cannot be locked ({e.strerror}): nothing but this "
-                              f"note keeps a second run out of {run_dir}")
+                    except (OSError, ImportError) as e:  # a file system without locks (Lustre
+                        # without -o flock), or Windows
+                        print(f"note: {path} cannot be locked ({getattr(e, 'strerror', e)}): "
+                              f"nothing but this note keeps a second run out of {run_dir}")
                 if lock is None:
                     with open(path) as f:
                         holder = f.read().split()  # empty until its holder has written it
