@@ -1422,7 +1422,7 @@ def test_sra_trains_the_student_through_its_head_never_the_teacher():
         xt = (1 - t[:, None, None, None]) * x + t[:, None, None, None] * noise
         hidden = model.forward(xt, 1000 * t, y, taps={1})[1]
         seen = seen_of(hidden, objective=objective, model=model, teacher=teacher, x=x, y=y, t=t,
-                       level=t, noise=noise, key=jax.random.key(2))
+                       level=t, noise=noise, uniform=jax.random.uniform(jax.random.key(2), (4,)))
         return dit.SRA(student=1, teacher=2, offset=offset)(seen)
 
     xt = (1 - t[:, None, None, None]) * x + t[:, None, None, None] * noise
