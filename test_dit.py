@@ -2661,6 +2661,55 @@ def test_dispersive_loss_in_micro_batches_compares_each_ones_samples():
     for other in (of(tokens), of(tokens[:4], tokens[4:])):  # the batch's; other micro-batches'
         assert logged[2] != pytest.approx(other, rel=1e-2)
 
+@slow
+def test_grad_accum_trains_and_resumes_as_the_whole_batch(tmp_path, folder_data, straight_run):
+    """--grad-accum is no setting of a run: 3 steps in 4 micro-batches on one device, resumed in 2
+    a device over two devices, end at step 6 where the run of whole batches does, with its
+    losses, within float tolerance."""
+    run_dir = tmp_path / "run"
+    run_dit(tmp_path, train_args(folder_data, run_dir, 3, [*VALIDATION, "--grad-accum", "4"]))
+    out = run_dit(tmp_path, train_args(folder_data, run_dir, 6,
+                                       [*VALIDATION, "--grad-accum", "2"]), devices=2)
+    assert "resumed" in out.stdout and "2 devices" in out.stdout
+    assert_states_close(state_at(run_dir, 6), state_at(straight_run, 6))
+    losses = lambda run: [(r["step"], r["loss"]) for r in records(run)  # noqa: E731
+                          if "loss" in r and r["step"] <= 6]
+    np.testing.assert_allclose(losses(run_dir), losses(straight_run), rtol=1e-5)
+
+def test_grad_accum_that_does_not_split_a_devices_share_ends_in_one_line(tmp_path, folder_data):
+    with pytest.raises(dit.InputError, match=re.escape(
+            "--grad-accum 3 does not split a device's 8 samples (--batch-size 8 over 1 devices) "
+            "into equal micro-batches; use a divisor of 8")):
+        dit.main(train_args(folder_data, tmp_path / "run", 1, ["--grad-accum", "3"]))
+
+@slow
+def test_a_step_that_does_not_fit_the_device_ends_in_one_line_with_what_fits(
+        tmp_path, folder_data, monkeypatch):
+    """Before the first step, XLA's count of the compiled step's memory against a device's (faked
+    here: the CPU has no limit): over it, one line with its figures and what would fit, and the
+    micro-batches it names then fit under the same limit."""
+    limit = [1]
+    monkeypatch.setattr(dit, "device_memory", lambda device: limit[0])
+    # 64 samples of 16 tokens: activations outweigh the small model's parameters
+    args = lambda k: train_args(folder_data, tmp_path / f"run{k}", 1, [  # noqa: E731
+        "--size", "XXS", "--batch-size", "64", "--grad-accum", str(k)])
+    with pytest.raises(dit.InputError) as e:
+        dit.main(args(1))
+    line = str(e.value)
+    figures = re.fullmatch(r"the training step needs ([\d.]+) MiB of a device's 0.00 MiB \(XLA's "
+                           r"count: ([\d.]+) MiB of state and batch, [\d.]+ MiB of working memory "
+                           r"at 64 samples a device at a time\); try --remat, a smaller "
+                           r"--batch-size", line)
+    assert figures, line  # no number of micro-batches fits in a byte
+    need, fixed = (float(v) * 2**20 for v in figures.groups())
+    limit[0] = int((need + fixed) / 2)  # room for half the working memory
+    with pytest.raises(dit.InputError, match=r"; try --grad-accum (\d+) \(about [\d.]+ MiB\), "
+                                             r"--remat, a smaller --batch-size$") as e:
+        dit.main(args(1))
+    k = int(re.search(r"--grad-accum (\d+)", str(e.value))[1])
+    assert k in (2, 4, 8, 16, 32, 64)
+    assert dit.main(args(k)).step == 1
+
 def test_default_precision_per_device():
     """bf16 where the device computes it natively, fp16 on NVIDIA GPUs before Ampere, fp32 on
     CPUs."""
