@@ -214,10 +214,13 @@ class LabelEmbedder(nnx.Module):
                                          embedding_init=normal02, rngs=rngs)
 
     def __call__(self, labels, drop_key=None):  # (B,) -> (B, D)
-        if drop_key is not None and self.dropout_prob > 0:
-            drop = jax.random.uniform(drop_key, labels.shape) < self.dropout_prob
-            labels = jnp.where(drop, self.num_classes, labels)
-        return self.embedding_table(labels)
+        return self.embedding_table(self.drop(labels, drop_key))
+
+    def drop(self, labels, drop_key=None):  # with drop_key, some labels dropped as in training
+        if drop_key is None or self.dropout_prob == 0:
+            return labels
+        drop = jax.random.uniform(drop_key, labels.shape) < self.dropout_prob
+        return jnp.where(drop, self.num_classes, labels)
 
 #################################################################################
 #                                3. The DiT model                               #
@@ -754,9 +757,9 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
         key_objective, key_drop = jax.random.split(key)
 
-        def loss_fn(params):
+        def loss_fn(params, **part):  # `part`: a micro-batch, for the harness's accumulation
             losses = batch_losses(objective, nnx.merge(graphdef, params), x, y, key_objective,
-                                  key_drop, state["ema"])
+                                  key_drop, state["ema"], **part)
             return sum(losses.get("aux", {}).values(), losses["loss"].mean()), losses
 
         grads, losses = gradient(loss_fn, state)
@@ -1111,12 +1114,11 @@ class Seen:
     model: nnx.Module
     teacher: nnx.Module
     x: jax.Array
-    y: jax.Array
-    drop_key: jax.Array | None
+    y: jax.Array  # the labels as the model saw them, some dropped
     t: jax.Array
     level: jax.Array
     noise: jax.Array
-    key: jax.Array
+    uniform: jax.Array  # (B,) in [0, 1): the terms' random draws, one a sample
     mask: jax.Array | None
     keep: jax.Array | None
     mix: int
@@ -1135,6 +1137,8 @@ class Dispersive:
     weight: float = 0.5
     temperature: float = 1.0
     name = "dispersive"
+    # The one term over pairs of samples: with --grad-accum K, the mean of K terms, each over one
+    # micro-batch's pairs, not the batch's term (pairs across micro-batches are never compared).
 
     @property
     def taps(self):
@@ -1173,13 +1177,11 @@ class SRA:
 
     def __call__(self, seen):
         objective, (z, keep) = seen.objective, seen.tokens(self.student)
-        lower = jnp.clip(seen.level - self.offset * jax.random.uniform(seen.key, seen.level.shape),
-                         0.0, 1.0)                                         # (B,)
+        lower = jnp.clip(seen.level - self.offset * seen.uniform, 0.0, 1.0)  # (B,)
         teacher = {}
 
         def teacher_fn(xt, t):  # the objective noises x as for training, at the teacher's times
-            out, teacher["hidden"] = seen.teacher.forward(xt, t, seen.y, seen.drop_key,
-                                                          taps={self.teacher})
+            out, teacher["hidden"] = seen.teacher.forward(xt, t, seen.y, taps={self.teacher})
             return out
         objective.losses_at(teacher_fn, seen.x, objective.time_at(lower), seen.noise)
         target = jax.lax.stop_gradient(teacher["hidden"][f"block{self.teacher}"])  # (B, T, D)
@@ -1202,6 +1204,11 @@ class Internal:
         return seen.objective.losses_at(lambda xt, t: seen.hidden["internal"], seen.x, seen.t,
                                         seen.noise, seen.mask)["loss"].mean()
 
+# Micro-batch k of K: samples k, k + K, k + 2K, ... of a batch (axis 0), so that over a mesh each
+# holds as many of each device's share (K divides the share) and stays spread over the devices.
+def micro_batch(a, k, K):
+    return jax.lax.dynamic_index_in_dim(a.reshape(-1, K, *a.shape[1:]), k, 1, keepdims=False)
+
 @dataclasses.dataclass(frozen=True)
 class TrainingLoss:
     """The harness's batch_losses: the objective's over the kept patches, and each term's weight *
@@ -1209,23 +1216,31 @@ class TrainingLoss:
     masking: DeferredMasking | None = None
     terms: tuple = ()
 
-    def __call__(self, objective, model, x, y, key, drop_key, ema):
-        keep, mask, mix = None, None, 0
+    def __call__(self, objective, model, x, y, key, drop_key, ema, part=None):
+        # `part` (k, K): the losses of micro_batch k of K. Every random number is drawn for the
+        # whole batch, then the part taken: a sample sees the same in any micro-batch.
+        drawn = {"x": x, "y": model.y_embedder.drop(y, drop_key) if model.cfg.num_classes else y,
+                 "keep": None, "mask": None}
         if self.masking:
             key_keep, key = jax.random.split(key)
-            keep, mask = self.masking.draw(key_keep, model, x.shape[0])
-            mix = self.masking.mixer_depth
-        t, noise = objective.draw(key, x)
+            drawn["keep"], drawn["mask"] = self.masking.draw(key_keep, model, x.shape[0])
+        drawn["t"], drawn["noise"] = objective.draw(key, x)
+        if self.terms:
+            drawn["uniform"] = jax.random.uniform(jax.random.fold_in(key, 1), x.shape[:1])
+        if part:
+            drawn = jax.tree.map(lambda a: micro_batch(a, *part), drawn)
+        x, y, keep, mask, t, noise = (drawn[k] for k in ("x", "y", "keep", "mask", "t", "noise"))
+        mix = self.masking.mixer_depth if self.masking else 0
         taps, hidden = {k for term in self.terms for k in term.taps}, {}
 
         def model_fn(xt, t):  # called once; its intermediates stay for the terms
-            out, hidden["of"] = model.forward(xt, t, y, drop_key, taps, keep, mix)
+            out, hidden["of"] = model.forward(xt, t, y, None, taps, keep, mix)
             return out
         losses = objective.losses_at(model_fn, x, t, noise, mask)
         if self.terms:
             teacher = nnx.merge(nnx.graphdef(model), ema)
-            seen = Seen(objective, model, teacher, x, y, drop_key, t, losses["level"], noise,
-                        jax.random.fold_in(key, 1), mask, keep, mix, hidden["of"])
+            seen = Seen(objective, model, teacher, x, y, t, losses["level"], noise,
+                        drawn["uniform"], mask, keep, mix, hidden["of"])
             losses["aux"] = {term.name: term.weight * term(seen) for term in self.terms}
         return losses
 #################################################################################
@@ -2416,11 +2431,16 @@ def use_compile_cache(directory):
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-def check_batch_size(batch_size):
-    """The global batch is split evenly over all devices of all hosts."""
-    if batch_size % jax.device_count():
-        raise InputError(f"--batch-size {batch_size} does not split over {jax.device_count()} "
-                         f"devices; use a multiple of {jax.device_count()}")
+def check_batch_size(batch_size, grad_accum=1):
+    """The global batch is split evenly over all devices of all hosts (and micro-batches)."""
+    n = jax.device_count()
+    if batch_size % n:
+        raise InputError(f"--batch-size {batch_size} does not split over {n} devices; use a "
+                         f"multiple of {n}")
+    if (batch_size // n) % grad_accum:
+        raise InputError(f"--grad-accum {grad_accum} does not split a device's {batch_size // n} "
+                         f"samples (--batch-size {batch_size} over {n} devices) into equal "
+                         f"micro-batches; use a divisor of {batch_size // n}")
 
 def model_switches(config):
     """--arch's switches where not given, and internal guidance's block (8 of 28 of the depth)."""
@@ -2454,7 +2474,8 @@ def default_precision(device=None):
         return "fp16"
     return "bf16"
 
-# What the loop adds to section 6's training step: float16 loss scaling, the loss by noise level.
+# What the loop adds to section 6's training step: float16 loss scaling, gradient accumulation,
+# the loss by noise level.
 
 def loss_scale_state(dtype):
     """A float16 model's loss scaling state; none otherwise."""
@@ -2482,15 +2503,35 @@ def update_loss_scale(state, new_state, finite, period=2000):
     scale = jnp.where(finite, jnp.where(good == period, 2.0, 1.0), 0.5) * state["loss_scale"]
     return keep | {"loss_scale": scale, "good_steps": good % period}
 
+# `gradient` of K micro-batches in turn (TrainingLoss's `part`): their mean, the batch's gradient,
+# and the batch's losses. A scan inside the one jitted step rather than optax.MultiSteps, which
+# counts each micro-batch as an optimizer step: the step count, the EMA, the learning-rate
+# schedule, the loader and the checkpoints would all have to learn about micro-steps.
+def accumulated(gradient, K):
+    def accumulated_gradient(loss_fn, state):
+        def add(total, k):
+            grads, losses = gradient(functools.partial(loss_fn, part=(k, K)), state)
+            return jax.tree.map(jnp.add, total, grads), losses
+
+        zero = jax.tree.map(jnp.zeros_like, state["params"])
+        total, losses = jax.lax.scan(add, zero, jnp.arange(K))  # losses (K, B / K) or (K,)
+
+        def whole(a):  # per sample: (K, B / K) back in the batch's order; a term's (K,): the mean
+            return a.mean(0) if a.ndim == 1 else jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])
+        return jax.tree.map(lambda g: g / K, total), jax.tree.map(whole, losses)
+
+    return accumulated_gradient
+
 # The loss is also logged over this many equal ranges of noise level: where the model is weak.
 LOSS_BINS = 4
 
 def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, shardings,
-                   masking=None, terms=()):
+                   masking=None, terms=(), grad_accum=1):
     """make_train_step jitted on the mesh, with TrainingLoss, float16's loss scaling and LOSS_BINS
     losses by noise level."""
+    gradient = scaled_grad if grad_accum == 1 else accumulated(scaled_grad, grad_accum)
     core_step = make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup,
-                                gradient=scaled_grad, batch_losses=TrainingLoss(masking, terms))
+                                gradient=gradient, batch_losses=TrainingLoss(masking, terms))
 
     def train_step(state, x, y):
         new_state, metrics = core_step(state, x, y)
@@ -2509,6 +2550,54 @@ def jit_train_step(graphdef, objective, tx, ema_decay, ema_warmup, seed, mesh, s
     batch = NamedSharding(mesh, P("data"))
     return jax.jit(train_step, in_shardings=(shardings, batch, batch),
                    out_shardings=(shardings, None), donate_argnums=0)
+
+def device_memory(device):  # the bytes that JAX may take on it; None where it does not say (CPU)
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+def size_text(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+# The training step of make_step(--grad-accum), checked against a device's memory at its first call
+# (the jit keeps the program compiled for the check, for the calls after).
+def fitting(make_step, config):
+    step, checked = make_step(config.grad_accum), False
+
+    def fitted(*args):
+        nonlocal checked
+        if not checked:
+            check_memory(step, make_step, args, config)
+            checked = True
+        return step(*args)
+    return fitted
+
+# One line where a step's memory (XLA's count) exceeds a device's, with what would fit: twice the
+# micro-batches (compiled for the check) or more, --remat, a smaller batch. More micro-batches are
+# estimated from K and 2K: their working memory, c + A K / k, has a part that scales with the
+# micro-batch (activations) and one that does not (gradients, the optimizer's update).
+def check_memory(step, make_step, args, config):
+    limit = device_memory(jax.local_devices()[0])
+    if not limit:
+        return
+
+    def count(step):  # (state and batch, working memory) in bytes on a device
+        m = step.lower(*args).compile().memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
+                m.temp_size_in_bytes)
+    (fixed, work), K = count(step), config.grad_accum
+    if fixed + work <= limit:
+        return
+    share, remedies = config.batch_size // jax.device_count(), []
+    if share % (2 * K) == 0:
+        scaled = 2 * (work - count(make_step(2 * K))[1])  # A
+        need = {k: fixed + work - scaled + scaled * K / k
+                for k in (K * 2 ** i for i in range(1, share.bit_length())) if share % k == 0}
+        fits = [k for k in need if need[k] <= limit]
+        remedies += [f"--grad-accum {fits[0]} (about {size_text(need[fits[0]])})"] if fits else []
+    remedies += {None: ["--remat"], "dots": ["--remat full"]}.get(config.remat, [])
+    raise InputError(f"the training step needs {size_text(fixed + work)} of a device's "
+                     f"{size_text(limit)} (XLA's count: {size_text(fixed)} of state and batch, "
+                     f"{size_text(work)} of working memory at {share // K} samples a device at a "
+                     f"time); try {', '.join([*remedies, 'a smaller --batch-size'])}")
 
 def make_mesh():
     """A 1-D mesh "data" over all devices of all hosts."""
@@ -2916,10 +3005,10 @@ def train(config):
     newest."""
     # The devices, and the run directory, held by this run alone until it ends.
     config = with_defaults(checked(config))
-    config = start_devices(config, config.batch_size)
+    config = start_devices(config, config.batch_size // config.grad_accum)
     use_compile_cache(config.compile_cache)  # before anything compiles
     mesh = make_mesh()
-    check_batch_size(config.batch_size)
+    check_batch_size(config.batch_size, config.grad_accum)
     local_disks = not run_dir_is_shared(config.run_dir)  # made and written to, or refused
     with holding(config.run_dir, local_disks):  # to the end: the final FID and export too
         return train_in(config, mesh, local_disks)
@@ -2962,9 +3051,10 @@ def train_in(config, mesh, local_disks):
           f"{config.precision}")
     log = MetricsLog(config.run_dir, start, config.batch_size, schedule)
     # Deferred masking's step before --unmask-at, the step on every patch after it (and throughout
-    # without masking), each compiled at its first step.
-    masked, whole = (jit_train_step(graphdef, objective, tx, config.ema_decay, config.ema_warmup,
-                                    config.seed, mesh, shardings, m, terms)
+    # without masking), each compiled and checked against the device's memory at its first step.
+    masked, whole = (fitting(functools.partial(jit_train_step, graphdef, objective, tx,
+                                               config.ema_decay, config.ema_warmup, config.seed,
+                                               mesh, shardings, m, terms), config)
                      for m in (masking, None))
     # A share ends masking at that share of --steps or of the time to the Stop's deadline, whichever
     # comes first; checkpoints then keep the step as their unmask_at: a resumed run stays unmasked.
@@ -4010,6 +4100,9 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defau
                              run=True)
     batch_size: int | None = option(None, "batch over all devices and hosts", type=positive_int,
                                     run=True)
+    grad_accum: int = option(1, "take each step's batch in K micro-batches, one after another: the "
+                             "same update in less memory (dispersive loss then compares the "
+                             "samples of each micro-batch)", type=positive_int, metavar="K")
     steps: int | None = option(None, "training steps", type=positive_int)
     lr: float | None = option(None, "AdamW learning rate", type=float, run=True)
     betas: tuple[float, float] = option((0.9, 0.999), "AdamW's moment decays", type=float,

@@ -1422,7 +1422,7 @@ def test_sra_trains_the_student_through_its_head_never_the_teacher():
         xt = (1 - t[:, None, None, None]) * x + t[:, None, None, None] * noise
         hidden = model.forward(xt, 1000 * t, y, taps={1})[1]
         seen = seen_of(hidden, objective=objective, model=model, teacher=teacher, x=x, y=y, t=t,
-                       level=t, noise=noise, key=jax.random.key(2))
+                       level=t, noise=noise, uniform=jax.random.uniform(jax.random.key(2), (4,)))
         return dit.SRA(student=1, teacher=2, offset=offset)(seen)
 
     xt = (1 - t[:, None, None, None]) * x + t[:, None, None, None] * noise
@@ -2577,6 +2577,138 @@ def test_checkpoint_that_cannot_be_written_stops_in_one_line_and_keeps_the_one_b
 #################################################################################
 #                             12. The training loop                             #
 #################################################################################
+
+# Steps of K = 1, 2 and 4 micro-batches on this process's devices, with deferred masking and two
+# terms, without and with float16's loss scaling (on a float32 model: the CPU has no float16 matrix
+# products): each K's two steps must end where K = 1's do.
+ACCUMULATION = """
+import sys, jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {here!r})
+import dit
+from jax.sharding import NamedSharding, PartitionSpec as P
+cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=3,
+                    num_heads=2, num_classes=3, learn_sigma=False, **dit.ARCHS["dit+"],
+                    internal_block=1, sra_head=True)
+mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-3)
+split, B = NamedSharding(mesh, P("data")), 8 * jax.device_count()
+x = jax.device_put(jax.random.normal(jax.random.key(1), (B, 8, 8, 3)), split)
+y = jax.device_put(jnp.arange(B) % 3, split)
+masking, terms = dit.DeferredMasking(0.5, 1), (dit.Internal(0.5), dit.SRA(1, 2))
+
+def steps(K, scaled, masking=masking):
+    dtype = jnp.float16 if scaled else jnp.float32
+    graphdef, state, shardings = dit.init_state(cfg, tx, 0, mesh, False, jnp.float32, None)
+    state |= dit.loss_scale_state(dtype)
+    shardings |= jax.tree.map(lambda a: NamedSharding(mesh, P()), dit.loss_scale_state(dtype))
+    step = dit.jit_train_step(graphdef, dit.RectifiedFlow(), tx, 0.9, False, 0, mesh, shardings,
+                              masking, terms, K)
+    for _ in range(2):
+        state, metrics = step(state, x, y)
+    return jax.tree.map(np.asarray, (state, metrics)), step.lower(state, x, y).compile()
+
+close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+for scaled in (False, True):
+    (state, metrics), _ = steps(1, scaled)
+    assert set(metrics["aux"]) == {{"internal", "sra"}} and metrics["count_by_t"].sum() == B
+    assert ("loss_scale" in metrics) == scaled and not metrics.get("skipped", False)
+    for K in (2, 4):
+        (state_k, metrics_k), _ = steps(K, scaled)
+        jax.tree.map(close, state_k, state)  # parameters, EMA, AdamW's moments, loss scale
+        jax.tree.map(close, metrics_k, metrics)  # loss, loss_by_t, grad_norm, the terms
+        np.testing.assert_array_equal(metrics_k["count_by_t"], metrics["count_by_t"])
+# The micro-batches stay spread over the devices: the step gathers no sample (deferred masking's
+# scatter of the kept patches gathers their indices, whatever K is).
+assert "all-gather" not in steps(2, False, None)[1].as_text()
+print("equal")
+"""
+
+@slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_accumulated_micro_batches_update_as_the_whole_batch(devices):
+    """K micro-batches (K = 2, 4) give the whole batch's update: the same parameters, EMA and
+    optimizer state after two steps, and the same logged losses, within float tolerance, with
+    deferred masking, internal guidance's and SRA's terms, and float16's loss scaling, on one
+    device and two."""
+    out = subprocess.run([sys.executable, "-c", ACCUMULATION.format(here=HERE)],
+                         env=process_env(devices), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split() == ["equal"], out.stderr[-3000:]
+
+@slow
+def test_dispersive_loss_in_micro_batches_compares_each_ones_samples():
+    """Dispersive loss, the one term over pairs of samples, is under accumulation the mean of each
+    micro-batch's term (samples k, k + K, ...), not the batch's: from the tokens that the model
+    gives the batch at t = 0 without noise, at a temperature where every pair counts."""
+    model = lever_model(class_dropout_prob=0.0)
+
+    class AtZero(dit.RectifiedFlow):  # x_t = x: the tokens are those of the batch itself
+        def draw(self, key, x0):
+            return jnp.zeros(x0.shape[0]), jnp.zeros_like(x0)
+
+    x, y = jax.random.normal(jax.random.key(0), (8, 8, 8, 3)), jnp.arange(8) % 3
+    tokens = jax.jit(lambda: model.forward(x, jnp.zeros(8), y, taps={2})[1]["block2"])()
+    z = np.asarray(tokens, np.float64).reshape(8, -1)
+    distances = ((z[:, None] - z[None]) ** 2).sum(-1) / z.shape[1]
+    term = dit.Dispersive(block=2, weight=1.0, temperature=float(np.median(distances)))
+    tx, _ = dit.make_optimizer(1e-3)
+    mesh, state = dit.make_mesh(), dit.new_train_state(model, tx)
+    shardings = dit.state_shardings(state, mesh, False)
+    logged = {K: float(dit.jit_train_step(nnx.graphdef(model), AtZero(), tx, 0.9, False, 0, mesh,
+                                          shardings, terms=(term,), grad_accum=K)(
+        jax.tree.map(jnp.copy, state), x, y)[1]["aux"]["dispersive"]) for K in (1, 2)}
+    of = lambda *parts: np.mean([float(term(seen_of({"block2": p}))) for p in parts])  # noqa: E731
+    assert logged[1] == pytest.approx(of(tokens), rel=1e-4)
+    assert logged[2] == pytest.approx(of(tokens[0::2], tokens[1::2]), rel=1e-4)
+    for other in (of(tokens), of(tokens[:4], tokens[4:])):  # the batch's; other micro-batches'
+        assert logged[2] != pytest.approx(other, rel=1e-2)
+
+@slow
+def test_grad_accum_trains_and_resumes_as_the_whole_batch(tmp_path, folder_data, straight_run):
+    """--grad-accum is no setting of a run: 3 steps in 4 micro-batches on one device, resumed in 2
+    a device over two devices, end at step 6 where the run of whole batches does, with its
+    losses, within float tolerance."""
+    run_dir = tmp_path / "run"
+    run_dit(tmp_path, train_args(folder_data, run_dir, 3, [*VALIDATION, "--grad-accum", "4"]))
+    out = run_dit(tmp_path, train_args(folder_data, run_dir, 6,
+                                       [*VALIDATION, "--grad-accum", "2"]), devices=2)
+    assert "resumed" in out.stdout and "2 devices" in out.stdout
+    assert_states_close(state_at(run_dir, 6), state_at(straight_run, 6))
+    losses = lambda run: [(r["step"], r["loss"]) for r in records(run)  # noqa: E731
+                          if "loss" in r and r["step"] <= 6]
+    np.testing.assert_allclose(losses(run_dir), losses(straight_run), rtol=1e-5)
+
+def test_grad_accum_that_does_not_split_a_devices_share_ends_in_one_line(tmp_path, folder_data):
+    with pytest.raises(dit.InputError, match=re.escape(
+            "--grad-accum 3 does not split a device's 8 samples (--batch-size 8 over 1 devices) "
+            "into equal micro-batches; use a divisor of 8")):
+        dit.main(train_args(folder_data, tmp_path / "run", 1, ["--grad-accum", "3"]))
+
+@slow
+def test_a_step_that_does_not_fit_the_device_ends_in_one_line_with_what_fits(
+        tmp_path, folder_data, monkeypatch):
+    """Before the first step, XLA's count of the compiled step's memory against a device's (faked
+    here: the CPU has no limit): over it, one line with its figures and what would fit, and the
+    micro-batches it names then fit under the same limit."""
+    limit = [1]
+    monkeypatch.setattr(dit, "device_memory", lambda device: limit[0])
+    # 64 samples of 16 tokens: activations outweigh the small model's parameters
+    args = lambda k: train_args(folder_data, tmp_path / f"run{k}", 1, [  # noqa: E731
+        "--size", "XXS", "--batch-size", "64", "--grad-accum", str(k)])
+    with pytest.raises(dit.InputError) as e:
+        dit.main(args(1))
+    line = str(e.value)
+    figures = re.fullmatch(r"the training step needs ([\d.]+) MiB of a device's 0.00 MiB \(XLA's "
+                           r"count: ([\d.]+) MiB of state and batch, [\d.]+ MiB of working memory "
+                           r"at 64 samples a device at a time\); try --remat, a smaller "
+                           r"--batch-size", line)
+    assert figures, line  # no number of micro-batches fits in a byte
+    need, fixed = (float(v) * 2**20 for v in figures.groups())
+    limit[0] = int((need + fixed) / 2)  # room for half the working memory
+    with pytest.raises(dit.InputError, match=r"; try --grad-accum (\d+) \(about [\d.]+ MiB\), "
+                                             r"--remat, a smaller --batch-size$") as e:
+        dit.main(args(1))
+    k = int(re.search(r"--grad-accum (\d+)", str(e.value))[1])
+    assert k in (2, 4, 8, 16, 32, 64)
+    assert dit.main(args(k)).step == 1
 
 def test_default_precision_per_device():
     """bf16 where the device computes it natively, fp16 on NVIDIA GPUs before Ampere, fp32 on
