@@ -2263,8 +2263,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 CHECKPOINT_SPEED, JOB_END_SLACK = 50e6, 90.0
 
 class Stop:
-    """A stop after a whole step, with a checkpoint: Ctrl-C (twice: at once), STOP_SIGNALS,
-    --time-limit, a SLURM job's end. Handlers only inside `with Stop(...)`."""
+    """A stop after a whole step, with a checkpoint: STOP_SIGNALS (Ctrl-C twice: at once),
+    --time-limit, a SLURM job's end. Handlers only inside `with`."""
 
     def __init__(self, time_limit, job_end=None):
         self.start = time.monotonic()
@@ -2274,12 +2274,11 @@ class Stop:
 
     @property
     def deadline(self):
-        """When the run stops: --time-limit, or the job's end less the margin, whichever is first."""
+        """The earlier of --time-limit and the job's end less the margin."""
         return min(self.limit, self.job_end - self.margin)
 
     def paused(self, seconds):
-        """Widen the margin before the job's end to twice a pause between steps (or its
-        estimate)."""
+        """Widen the job end's margin to twice this pause."""
         self.margin = max(self.margin, JOB_END_SLACK + 2 * seconds)
 
     def __enter__(self):
@@ -2312,16 +2311,14 @@ class Stop:
         return [None, "reached the SLURM job's end", "reached --time-limit", "interrupted"][wanted]
 
     def past(self, share, done):
-        """Whether `share` of the time to the deadline has passed after step `done`, agreed as in
-        `reason`."""
+        """Whether `share` of the time to the deadline has passed, agreed as in `reason`."""
         if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
             return False
         past = time.monotonic() > self.start + share * (self.deadline - self.start)  # inf: never
         return bool(multihost_utils.process_allgather(np.int32(past)).max())
 
     def last_step(self, start, done, steps):
-        """The progress bar's total: `steps`, or where --time-limit or the job's end will stop the
-        run at the speed so far."""
+        """The progress bar's total: `steps`, or the deadline's step at the speed so far."""
         now = time.monotonic()
         if self.deadline == math.inf:
             return steps
@@ -2329,7 +2326,7 @@ class Stop:
         return min(steps, done + int(left))
 
 def slurm_time_left(text):
-    """Seconds in squeue's %L ("[days-][hours:]minutes:seconds"), or None (UNLIMITED, NOT_SET)."""
+    """Seconds of squeue's %L ("[days-][hours:]minutes:seconds"); None for UNLIMITED."""
     match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
     if not match:
         return None
@@ -2337,7 +2334,7 @@ def slurm_time_left(text):
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 def slurm_job_end(environ):
-    """time.monotonic() at this SLURM job's time limit, as squeue tells it; None outside a job."""
+    """time.monotonic() at this SLURM job's end (squeue's); None outside one."""
     job = environ.get("SLURM_JOB_ID")
     if not job or not shutil.which("squeue"):
         return None
@@ -2373,8 +2370,7 @@ def duration(text):
 KAGGLE_WORKING, COLAB_DRIVE = "/kaggle/working", "/content/drive"
 
 def session_notes(run_dir, time_limit, platform, environ):
-    """The notes for a run in a Kaggle or Colab notebook (by `environ`) that its session's end
-    would lose."""
+    """What a Kaggle or Colab session's end (by `environ`) would take of a run."""
     within = lambda root: os.path.abspath(run_dir).startswith(root + os.sep)  # noqa: E731
     if environ.get("KAGGLE_KERNEL_RUN_TYPE"):
         name, hours = "Kaggle", 9 if platform == "tpu" else 12
@@ -2397,8 +2393,8 @@ def session_notes(run_dir, time_limit, platform, environ):
     return notes
 
 def setup_distributed(config):
-    """Join a multi-host run's processes: as --coordinator, --num-processes and --process-id say,
-    or as a launcher's environment does (SLURM, Open MPI, a TPU pod slice)."""
+    """Join a multi-host run's processes, as --coordinator etc. say or a launcher's environment
+    does (SLURM, Open MPI, a TPU pod slice)."""
     launched = (int(os.environ.get("SLURM_NTASKS", 1)) > 1
                 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
                 or os.environ.get("TPU_WORKER_HOSTNAMES", "localhost") != "localhost")
@@ -2985,8 +2981,7 @@ class MetricsLog:
 
 @dataclasses.dataclass
 class Run:
-    """What training returns, shown as one line in a notebook; `state` for code that goes on from
-    it."""
+    """What training returns, one line in a notebook; `state` to go on from."""
     run_dir: str
     step: int
     loss: float | None
@@ -3001,8 +2996,7 @@ def params_line(model):
     return f"{n:,} parameters" + (f" ({sampled:,} at sampling)" if sampled != n else "")
 
 def train(config):
-    """Train a DiT as a TrainConfig says, from --resume's checkpoint or else its run directory's
-    newest."""
+    """Train a DiT as a TrainConfig says, resuming where it says."""
     # The devices, and the run directory, held by this run alone until it ends.
     config = with_defaults(checked(config))
     config = start_devices(config, config.batch_size // config.grad_accum)
@@ -3288,8 +3282,7 @@ class Sampler:
         return to_host(self.finish(self.vae_params, x))
 
     def __call__(self, params, noise, y, key):
-        """Images of noise and labels; with return_trajectory, also <= 60 frames (F, B, ...), noise
-        first."""
+        """Images of noise and labels; with return_trajectory, <= 60 frames (F, B, ...) too."""
         start = time.perf_counter()
         out = jax.block_until_ready(self.run(params, self.guide_params, noise, y, key))
         sampled = time.perf_counter()
@@ -3396,8 +3389,7 @@ def reference_on_every_host(paths):
     return paths[-1], False
 
 class Evaluator:
-    """What a run evaluates of its EMA weights: grids from the same noise each time, the validation
-    loss, FID."""
+    """A run's evaluations of its EMA weights: grids from fixed noise, the validation loss, FID."""
 
     def __init__(self, config, cfg, graphdef, objective, mesh, ds, held_out):
         scores = bool(config.fid_every or config.final_fid)
@@ -3459,7 +3451,7 @@ class Evaluator:
             self.fid(params, step, config.fid_samples, log)
 
     def fid(self, params, step, n, log):
-        """Print and log FID-N and fid.py's other scores of n samples, or why there are none."""
+        """Print and log FID-N and the other scores of n samples, or why none."""
         if not self.has_ref:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -3505,7 +3497,7 @@ def profiled(profile_dir, name):
             else contextlib.nullcontext())
 
 def timed(step, n, profile_dir, name):
-    """(seconds of the compiling first call; seconds per call of the n after, traced as `name`)."""
+    """(the compiling call's seconds; seconds a call of the n after, traced as `name`)."""
     start = time.perf_counter()
     jax.block_until_ready(step())
     compile_s = time.perf_counter() - start
@@ -3517,8 +3509,8 @@ def timed(step, n, profile_dir, name):
         return compile_s, (time.perf_counter() - start) / n
 
 def bench(config):
-    """Speed with random weights: the training step (and with masking, with each term), the forward
-    pass, and FID-N end to end. Returns figures."""
+    """Speed with random weights: the training step (masked, with each term), the forward pass,
+    FID-N end to end."""
     config = checked(config)
     if config.profile:
         writable(config.profile, folder=True)
@@ -3809,7 +3801,7 @@ def report_panels(runs, axis):
     return [row for row in (training, levels, scores, sweeps) if row]
 
 def report_figure(runs, labels, axis):
-    """curves.png's matplotlib Figure: a panel per figure, a colour per run, named in its legend."""
+    """curves.png's Figure: a panel per figure, a colour per run."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter
@@ -3944,8 +3936,7 @@ except InputError as e:
     raise
 
 def run_cli(main, argv=None):
-    """Run `main(argv)`: the user's mistake exits with one line on stderr; a bug keeps its
-    traceback."""
+    """`main(argv)`: a user's mistake exits in one line; a bug keeps its traceback."""
     try:
         return main(argv)
     except (InputError, OSError) as e:
@@ -3959,7 +3950,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 @contextlib.contextmanager
 def errors_named(option):
-    """Within it, an InputError about the value that `option` ("--patch 4") gave starts with it."""
+    """Within it, an InputError starts with `option` ("--patch 4")."""
     try:
         yield
     except InputError as e:
@@ -4078,7 +4069,7 @@ class WeightOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HostOptions:
-    """The processes of a multi-host run that no launcher (SLURM, Open MPI, TPU pod) set up."""
+    """A multi-host run's processes, where no launcher set them up."""
     coordinator: str | None = option(None, "address:port of process 0, for multi-host runs that "
                                      "no launcher (SLURM, Open MPI, TPU pod) set up")
     num_processes: int | None = option(None, "processes of a multi-host run", type=positive_int)
@@ -4321,7 +4312,7 @@ def build_parser():
     return parser
 
 def as_tuples(value):
-    """A parsed value as a configuration holds it: lists as tuples, so that it is hashable."""
+    """A parsed value, lists as tuples: hashable."""
     return tuple(map(as_tuples, value)) if isinstance(value, list) else value
 
 def parse(argv):
@@ -4355,7 +4346,7 @@ def command_line(config):
     return words + last
 
 def checked(config):
-    """`config` as its command line parses: a wrong value ends in the same one line."""
+    """`config` as its command line parses, a wrong value refused alike."""
     return parse(command_line(config))
 
 def start_devices(config, batch_size):
@@ -4376,8 +4367,8 @@ def recipes_table():
         "\n  ".join(lines)
 
 def sample_command(config):
-    """`python dit.py sample`: a grid, or FID-N samples and scores of each guidance setting, all
-    from the same noise; scores join the run's metrics.jsonl."""
+    """`python dit.py sample`: a grid, or FID-N samples and scores of each guidance setting from
+    the same noise."""
     config = checked(config)
     config = start_devices(config, config.batch_size if config.fid else config.n)
     mesh = make_mesh()
