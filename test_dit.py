@@ -4520,7 +4520,7 @@ def readme_commands():
     text = "```".join(re.sub(r"`[^`]*`", lambda m: m[0].replace("\n", " "), part) if i % 2 == 0
                       else part for i, part in enumerate(parts))
     for name, command in re.findall(r'(\w+)="(python3? dit\.py[^"]*)"', text):
-        text = text.replace(f'{name}="{command}"', "").replace("$" + name, command)
+        text = re.sub(rf"\${name}\b", lambda _: command, text.replace(f'{name}="{command}"', ""))
     commands = []
     for match in re.finditer(r"python3? dit\.py\b([^`\n]*)", text):
         words = shlex.split(re.split(r"\s#|\s[|>;&]|&&|\$\(|\"", match[1])[0])
