@@ -2227,7 +2227,7 @@ RECIPES = {
 PROFILE_STEPS = range(10, 15)
 
 class StepTrace:
-    """`train --profile DIR`: traces PROFILE_STEPS after `start`; called before each step and after
+    """`train --profile DIR`: traces PROFILE_STEPS after `start`; called before each step, after
     the last."""
 
     def __init__(self, directory, start, steps):
@@ -2252,6 +2252,12 @@ class StepTrace:
 # flight, which would otherwise overlap the next one's dispatch. A lone process checks every step.
 STOP_CHECK_EVERY = 10
 
+def agreed(value, done):
+    """The processes' largest `value`; 0 between checks."""
+    if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
+        return 0
+    return int(multihost_utils.process_allgather(np.int32(value)).max())
+
 # The signals that stop a run with a checkpoint: Ctrl-C, a scheduler's or a notebook's end
 # (SIGTERM), and the warnings that SLURM's `--signal` sends before a job's time limit.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -2264,7 +2270,7 @@ CHECKPOINT_SPEED, JOB_END_SLACK = 50e6, 90.0
 
 class Stop:
     """A stop after a whole step, with a checkpoint: STOP_SIGNALS (Ctrl-C twice: at once),
-    --time-limit, a SLURM job's end. Handlers only inside `with`."""
+    --time-limit, a SLURM job's end; handlers inside `with` alone."""
 
     def __init__(self, time_limit, job_end=None):
         self.start = time.monotonic()
@@ -2274,12 +2280,19 @@ class Stop:
 
     @property
     def deadline(self):
-        """The earlier of --time-limit and the job's end less the margin."""
+        """The earlier of --time-limit and the job's end less a margin."""
         return min(self.limit, self.job_end - self.margin)
 
     def paused(self, seconds):
-        """Widen the job end's margin to twice this pause."""
+        """Widen the margin to twice this pause."""
         self.margin = max(self.margin, JOB_END_SLACK + 2 * seconds)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time a pause between steps."""
+        began = time.monotonic()
+        yield
+        self.paused(time.monotonic() - began)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -2299,23 +2312,19 @@ class Stop:
         self.signal = sig
 
     def reason(self, done):
-        """Why every process stops after step `done`, or None to go on."""
-        if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
-            return None
+        """Why every process stops after step `done`; None: go on."""
         wanted = 0
         if self.signal:
             wanted = 3
         elif time.monotonic() > self.deadline:
             wanted = 2 if self.deadline == self.limit else 1
-        wanted = int(multihost_utils.process_allgather(np.int32(wanted)).max())
-        return [None, "reached the SLURM job's end", "reached --time-limit", "interrupted"][wanted]
+        return [None, "reached the SLURM job's end", "reached --time-limit",
+                "interrupted"][agreed(wanted, done)]
 
     def past(self, share, done):
-        """Whether `share` of the time to the deadline has passed, agreed as in `reason`."""
-        if jax.process_count() > 1 and done % STOP_CHECK_EVERY:
-            return False
+        """Whether `share` of the time to the deadline has passed."""
         past = time.monotonic() > self.start + share * (self.deadline - self.start)  # inf: never
-        return bool(multihost_utils.process_allgather(np.int32(past)).max())
+        return bool(agreed(int(past), done))
 
     def last_step(self, start, done, steps):
         """The progress bar's total: `steps`, or the deadline's step at the speed so far."""
@@ -2326,7 +2335,7 @@ class Stop:
         return min(steps, done + int(left))
 
 def slurm_time_left(text):
-    """Seconds of squeue's %L ("[days-][hours:]minutes:seconds"); None for UNLIMITED."""
+    """Seconds of squeue's %L, [days-][hours:]minutes:seconds; else None."""
     match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
     if not match:
         return None
@@ -2334,7 +2343,7 @@ def slurm_time_left(text):
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 def slurm_job_end(environ):
-    """time.monotonic() at this SLURM job's end (squeue's); None outside one."""
+    """time.monotonic() at this SLURM job's end; None outside one."""
     job = environ.get("SLURM_JOB_ID")
     if not job or not shutil.which("squeue"):
         return None
@@ -3089,13 +3098,11 @@ def train_in(config, mesh, local_disks):
             if done % config.log_every == 0 or done % config.ckpt_every == 0 or last:
                 record = log.flush(done)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-            paused = time.monotonic()
-            with log.paused():  # the checkpoint last: a run resumed from it keeps its records
+            with log.paused(), stop.pause():  # the checkpoint last: a resumed run keeps records
                 evaluator(state["ema"], done, log)
                 if done % config.ckpt_every == 0 or last:
                     saved = save_checkpoint(config.run_dir, state, meta, config.keep, local_disks,
                                             config.keep_ema)
-            stop.paused(time.monotonic() - paused)
             if stopped:
                 break
     if stopped and jax.process_index() == 0:
@@ -4120,7 +4127,8 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defau
                                               metavar="STEPS")
     time_limit: int | None = option(None, "stop with a checkpoint after this long, e.g. 8h30m, 90m "
                                     "or 45s, before a notebook ends (as Ctrl-C, SIGTERM, SIGUSR1 "
-                                    "and a SLURM job's end do); the same command continues", type=duration,
+                                    "and a SLURM job's end do); the same command continues",
+                                    type=duration,
                                     metavar="DURATION",  # a TrainConfig's: seconds, or this text
                                     text=lambda t: f"{t}s" if isinstance(t, int) else t)
     unmask_at: int | float | None = option(

@@ -3662,9 +3662,10 @@ def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(t
     # the second job, whose own stop would come at 90 s; at 59 s or later into the third, which
     # stops itself at 30 s.
     slow = "--export=ALL,SLOW_STEPS=1"
-    jobs = [sbatch(script, slow, "--time=10"), sbatch(script, slow, "--time=3", "--signal=USR1@100"),
-            sbatch(script, slow, "--time=2", "--signal=USR1@1"), sbatch(script, "--time=10"),
-            sbatch(script, "--time=10")]
+    jobs = [sbatch(script, slow, "--time=10"),
+            sbatch(script, slow, "--time=3", "--signal=USR1@100"),
+            sbatch(script, slow, "--time=2", "--signal=USR1@1"),
+            sbatch(script, "--time=10"), sbatch(script, "--time=10")]
     deadline = time.monotonic() + 300
     while not (run / "metrics.jsonl").exists() or len(records(run)) < 3:
         assert time.monotonic() < deadline, "the first job logged no steps"
