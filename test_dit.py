@@ -79,6 +79,11 @@ from random_inception import random_inception_weights  # noqa: E402  (the refere
 # loop. The mark is not registered (the project has no conftest.py), so pytest's warning is quiet.
 warnings.filterwarnings("ignore", "Unknown pytest.mark.slow")
 slow = pytest.mark.slow
+# The README's command runs the tests in two processes (pytest-xdist's `-n 2 --dist loadgroup`):
+# most of a test's time is XLA's compiler on one core, or a process it waits on. The SLURM tests
+# share one worker, so that their jobs do not wait in the one node's queue behind each other's.
+warnings.filterwarnings("ignore", "Unknown pytest.mark.xdist_group")
+one_slurm = pytest.mark.xdist_group("slurm")
 
 # The commands that the tests run as processes would each compile their functions anew: a
 # compilation cache shared by the session's processes compiles each function once (a short
@@ -90,12 +95,14 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
-# Those processes run the harness (the loop, files, hosts, signals) and spend most of their time in
-# XLA's compiler: without LLVM's optimisations they compile in about half the time. Their numbers
-# then differ from optimised code's in the last bit, so they are compared with each other's, or
-# with this process's within a tolerance; the parity tests against the references run here, in
-# this process, compiled as a user's code is.
+# The tests spend most of their time in XLA's compiler, on small programs that run in moments:
+# without LLVM's optimisations it compiles in about half the time. This process (from its first
+# computation: XLA reads XLA_FLAGS as JAX starts) and those it starts compile so. Numbers then
+# differ from optimised code's in the last bit, far inside the references' tolerances; one parity
+# test compiles the model with the optimisations, as a user's code is
+# (test_jit_compiled_model_matches_official).
 UNOPTIMISED = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {UNOPTIMISED}".strip()
 
 def process_env(devices):
     """The environment of a process that the tests start: `devices` CPU devices, unoptimised."""
@@ -644,10 +651,14 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass():
     assert residual_bytes("full") < 3 * cfg.depth * block_input
 
 def test_jit_compiled_model_matches_official(reference):
+    """The guided model compiled with XLA's optimisations, as a user's code is (the tests' own
+    programs compile without LLVM's)."""
     ref, _, model = reference
     scale = float(ref["cfg_scale"])
-    f = nnx.jit(lambda m, x, t, y: m.forward_with_cfg(x, t, y, scale, guidance_channels=3))
-    out = f(model, nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]), jnp.asarray(ref["cfg_y"]))
+    graphdef, params = nnx.split(model)
+    f = jax.jit(lambda p, x, t, y: nnx.merge(graphdef, p).forward_with_cfg(
+        x, t, y, scale, guidance_channels=3), compiler_options={"xla_backend_optimization_level": 3})
+    out = f(params, nhwc(ref["cfg_x"]), jnp.asarray(ref["cfg_t"]), jnp.asarray(ref["cfg_y"]))
     assert rel_err(nchw(out), ref["cfg_out"]) < 1e-5
 
 #################################################################################
@@ -3644,6 +3655,7 @@ if os.environ.get("SLOW_STEPS"):
 """
 
 @slow
+@one_slurm
 def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(tmp_path, slurm,
                                                                               folder_data):
     """The README's train.sh, five jobs of one chain (`--dependency=singleton`): the first ended by
@@ -3692,6 +3704,7 @@ def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(t
     assert table.count(str(run)) == 1 and f"| {steps:,} |" in table, table
 
 @slow
+@one_slurm
 def test_srun_with_two_tasks_trains_one_run_over_two_processes(tmp_path, slurm, folder_data,
                                                               straight_run):
     """`srun --ntasks=2`: jax.distributed joins the two tasks from SLURM's variables, each with
@@ -3707,6 +3720,7 @@ def test_srun_with_two_tasks_trains_one_run_over_two_processes(tmp_path, slurm, 
     assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
 
 @slow
+@one_slurm
 def test_slurm_job_array_sweeps_settings_into_a_report_of_its_runs(tmp_path, slurm, folder_data):
     """The README's sweep.sh as a job array of three settings: a run directory each, and a
     report of the three runs, each labelled by the setting in which it differs."""
