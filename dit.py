@@ -4302,6 +4302,10 @@ class SampleConfig(HostOptions, WeightOptions):
         None, "internal guidance's weight w: internal + w * (final - internal), of a model trained "
         "with --internal-guidance (1: the final layer alone); with --fid, comma-separated weights "
         "are each sampled and scored", type=float_list)
+    guidance_sweep: bool = option(False, "with --fid: sample and score each setting of the sweep "
+                                  "that chooses a run's FID guidance (README, Guidance), guided "
+                                  "by the run's kept EMA nearest half the checkpoint's step",
+                                  action="store_true")
     n: int = option(16, "images in the grid", type=positive_int)
     labels: tuple[int, ...] | None = option(None, "class labels of the grid (default: 0, 1, 2, "
                                             "...)", type=int, nargs="*")
@@ -4494,6 +4498,11 @@ def sample_command(config):
                          f"a file; copy one under another name")
     settings = list(itertools.product(scales, config.guidance_interval or [None], guides,
                                       config.internal_scale or [1.0]))
+    if config.guidance_sweep and (config.cfg_scale or config.guidance_interval or config.guide
+                                  or config.internal_scale or not config.fid):
+        raise InputError("--guidance-sweep samples its own settings and scores them: give it with "
+                         "--fid N, without --cfg-scale, --guidance-interval, --guide or "
+                         "--internal-scale")
     if config.fid:
         check_batch_size(config.batch_size)
         if config.gif:
@@ -4522,6 +4531,13 @@ def sample_command(config):
     if config.sampler and config.sampler not in objective.METHODS:
         raise InputError(f"--sampler {config.sampler} is not a sampler of this model's objective "
                          f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
+    if config.guidance_sweep:  # the run's kept EMA guides, where it is a run's and one is kept
+        run_dir = run_of(config.ckpt) if isinstance(meta.get("step"), int) else None
+        path = kept_guide(run_dir, meta["step"]) if run_dir else None
+        with on_every_host():
+            guide_models = {path: load_guide(path, cfg, objective, latent_scale, config.ckpt,
+                                             compute_dtype(config.precision))} if path else {}
+        settings, scales = swept_settings(cfg, path), []
     for scale in scales:
         with errors_named(f"--cfg-scale {scale:g}"):
             check_guidance(cfg, scale)

@@ -3406,8 +3406,13 @@ def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception
     [val] = [r for r in run if "val_loss" in r]
     assert val["step"] == 4 and np.isfinite(val["val_loss"])
     assert np.mean(list(val["val_loss_t"].values())) == pytest.approx(val["val_loss"])
-    [scores] = [r for r in run if "fid" in r]
+    [scores] = [r for r in run if "fid" in r and "cfg_scale" not in r]
     assert scores["fid_samples"] == 16 and scores["fid_protocol"] == "adm"
+    # at the guidance that its sweep chose: CFG's 7 settings (no EMA kept in 4 steps), 2 samples
+    # each
+    sweep = [r for r in run if "cfg_scale" in r]
+    assert len(sweep) == 7 and {r["fid_samples"] for r in sweep} == {2}
+    assert scores["guidance"].endswith("the best of 7 settings at 2 samples each")
     for host in hosts:  # each host resumed from its own copy and has the EMA weights to sample
         assert (host / COURSE_RUN / "ema.safetensors").exists()
 
@@ -6964,3 +6969,28 @@ def test_sweep_settings_follow_the_model_and_its_kept_guides(tmp_path):
     no_null = dataclasses.replace(cfg, class_dropout_prob=0.0)
     assert [s[:3] for s in dit.swept_settings(no_null, "g")] == [
         (1.0, None, (None, 1.0)), (1.0, None, ("g", 2.0)), (1.0, None, ("g", 3.0))]
+
+@slow
+def test_sample_scores_the_runs_guidance_sweep(tmp_path, straight_run, monkeypatch):
+    """`sample --fid N --guidance-sweep` samples and scores each setting of the sweep at N, guided
+    by the run's kept EMA nearest half the weights' step (3 and 6 kept, step 9: the earlier), a
+    file and a record each; other guidance options beside it are refused."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    fed = []
+    stub_sampling(monkeypatch, fed)
+    common = ["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "5", "--batch-size",
+              "4", "--steps", "2", "--ref", str(ref), "--out", str(tmp_path / "sweep" / "s.npz")]
+    printed = dit.main(common + ["--guidance-sweep"])
+    guide = str(run_dir / "ema" / "step_0000003.safetensors")
+    assert len(printed) == 10 and [len(images) for images in fed] == [5] * 10
+    assert printed[f"guidance 1, autoguidance 3 by {guide}"]["fid"] == pytest.approx(15, abs=1)
+    assert len(os.listdir(tmp_path / "sweep")) == 10
+    logged = [r for r in records(run_dir) if "cfg_scale" in r]
+    assert [r["fid"] for r in logged] == [s["fid"] for s in printed.values()]
+    assert {r["guide"] for r in logged} == {None, guide}
+    for extra in (["--cfg-scale", "2"], ["--guide", guide, "--guide-scale", "2"]):
+        with pytest.raises(dit.InputError, match="--guidance-sweep samples its own settings"):
+            dit.main(common + ["--guidance-sweep", *extra])
