@@ -3451,8 +3451,8 @@ class Evaluator:
         fixed = (config.fid_cfg_scale, config.fid_guidance_interval, config.fid_guide,
                  config.fid_guide_scale)
         self.swept = scores and all(option is None for option in fixed)
-        if self.swept and min(n for n in (config.final_fid, config.fid_every and config.fid_samples)
-                              if n) < len(FID_SWEEP):
+        counts = [n for n in (config.final_fid, config.fid_every and config.fid_samples) if n]
+        if self.swept and min(counts) < len(FID_SWEEP):
             raise InputError(f"FID samples below the {len(FID_SWEEP)} settings that choose its "
                              f"guidance: give --final-fid and --fid-samples {len(FID_SWEEP)} or "
                              f"more, or fix the guidance with --fid-cfg-scale")
