@@ -3311,10 +3311,22 @@ def spread_labels(n, num_classes):
     """Labels (n,) 0, 1, ..., K-1, 0, 1, ...: every class equally often."""
     return np.arange(n, dtype=np.int32) % max(num_classes, 1)
 
-# The guidance scale of FID samples (train --fid-cfg-scale, sample --fid, bench --fid): the paper's
-# best FID-50K, 2.27 for DiT-XL/2, was sampled at 1.5; its sample grids at 4.
+# The guidance scale of FID samples where one is fixed (train --fid-cfg-scale, sample --fid, bench
+# --fid): the paper's best FID-50K, 2.27 for DiT-XL/2, was sampled at 1.5; its sample grids at 4.
 FID_CFG_SCALE = 1.5
 GRID_CFG_SCALE = 4.0
+
+# A run's FID where no --fid-* option fixes its guidance: each setting here scored on a tenth of
+# the FID's samples, the best then on all of them (Evaluator.fid). Public figures put a small
+# model's best far above XL/2's 1.5 (README, Guidance): SiT-S/2's at CFG 3.5-4 on 3 of 4 channels,
+# about 2.9-3.25 on all 4, which every setting here guides. (CFG scale, its interval on the 0..1000
+# scale, autoguidance's weight by the run's kept EMA nearest half the step): unguided; CFG 1.5 to
+# 4; CFG off above t = 0.75; autoguidance 2 and 3; CIFAR-10's best, CFG 1.5 with autoguidance 2.
+# Network evaluations a sample and step: 1, 2 each, 3 for the last: the sweep's 20 at a tenth of
+# the samples each cost what the paper's setting at all of them does (2 a sample).
+FID_SWEEP = ((1.0, None, 1.0), (1.5, None, 1.0), (2.0, None, 1.0), (3.0, None, 1.0),
+             (4.0, None, 1.0), (3.0, (0.0, 750.0), 1.0), (4.0, (0.0, 750.0), 1.0),
+             (1.0, None, 2.0), (1.0, None, 3.0), (1.5, None, 2.0))
 
 def count_label(n):
     """A sample count as figures name it: 10K, or 32."""
@@ -3361,6 +3373,42 @@ def fid_record(scores):
     rest = {k: v for k, v in scores.items() if np.ndim(v) == 0 and k not in ("count", "protocol")}
     return {"fid_samples": scores["count"], "fid_protocol": scores["protocol"], **rest}
 
+def guidance_names(scale, interval, guide, internal=1.0):
+    """A guidance setting (guide: (path or None, weight)) as a row names it, and as a file name
+    ends."""
+    path, w = guide
+    text = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval else "")
+    suffix = f"_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval else "")
+    if path:
+        name = os.path.splitext(os.path.basename(path))[0]
+        text += f", autoguidance {w:g} by {path}"
+        suffix += f"_ag{w:g}-{name}"
+    if internal != 1:
+        text, suffix = text + f", internal guidance {internal:g}", suffix + f"_ig{internal:g}"
+    return text, suffix
+
+def guidance_record(scale, interval, guide, internal=1.0, guide_step=None, channels="all"):
+    """metrics.jsonl's fields of a guidance setting, by which `report` draws FID."""
+    return {"cfg_scale": scale, "guidance_interval": interval, "guidance_channels": channels,
+            "guide": guide[0], "guide_step": guide_step, "guide_scale": guide[1],
+            "internal_scale": internal}
+
+def kept_guide(run_dir, step):
+    """The run's kept EMA (RUN/ema/) before `step` nearest half of it, the guide that guided best
+    on CIFAR-10 (README, Guidance); None where none is kept."""
+    folder = os.path.join(run_dir, "ema")
+    kept = sorted(int(name[5:12]) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+                  if re.fullmatch(r"step_\d{7}\.safetensors", name) and int(name[5:12]) < step)
+    nearest = min(kept, key=lambda k: abs(k - step / 2), default=None)
+    return nearest and os.path.join(folder, f"step_{nearest:07d}.safetensors")
+
+def swept_settings(cfg, guide):
+    """FID_SWEEP's settings that the model takes, as (scale, interval, (guide, weight), internal):
+    CFG where it has a null label, autoguidance where `guide` (a kept EMA's path) is."""
+    guided = bool(cfg.num_classes and cfg.class_dropout_prob)
+    return [(scale, interval, (guide, w) if w != 1 else (None, 1.0), 1.0)
+            for scale, interval, w in FID_SWEEP if (scale == 1 or guided) and (w == 1 or guide)]
+
 # The noise levels at which the validation loss is measured: the centres of the LOSS_BINS ranges.
 VAL_TIMES = (0.125, 0.375, 0.625, 0.875)
 
@@ -3400,20 +3448,33 @@ class Evaluator:
 
     def __init__(self, config, cfg, graphdef, objective, mesh, ds, held_out):
         scores = bool(config.fid_every or config.final_fid)
+        fixed = (config.fid_cfg_scale, config.fid_guidance_interval, config.fid_guide,
+                 config.fid_guide_scale)
+        self.swept = scores and all(option is None for option in fixed)
+        counts = [n for n in (config.final_fid, config.fid_every and config.fid_samples) if n]
+        if self.swept and min(counts) < len(FID_SWEEP):
+            raise InputError(f"FID samples below the {len(FID_SWEEP)} settings that choose its "
+                             f"guidance: give --final-fid and --fid-samples {len(FID_SWEEP)} or "
+                             f"more, or fix the guidance with --fid-cfg-scale")
+        guide_scale = 1.0 if config.fid_guide_scale is None else config.fid_guide_scale
+        # a kept EMA (RUN/ema/), or another model, that can guide this one
+        self.load_guide = lambda path: load_guide(  # noqa: E731
+            path, cfg, objective, ds.latent_scale, config.run_dir,
+            compute_dtype(config.precision))
         with on_every_host():  # each host's own VAE weights, and guide
             vae = (load_decoder(config.vae, ds.input_shape[-1], vae_dtype(config.precision))
                    if ds.is_latent else None)
-            guide = (load_guide(config.fid_guide, cfg, objective, ds.latent_scale, config.run_dir,
-                                compute_dtype(config.precision))[0]
-                     if scores and config.fid_guide and config.fid_guide_scale != 1 else None)
-        sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
-                                    latent_scale=ds.latent_scale, steps=config.sample_steps,
-                                    method=objective.default_method)
-        self.grid_sampler, self.fid_sampler = sampler(cfg_scale=config.cfg_scale), None
-        if scores:  # at the setting that a guidance sweep found best
-            self.fid_sampler = sampler(cfg_scale=config.fid_cfg_scale,
-                                       interval=config.fid_guidance_interval, guide=guide,
-                                       guide_scale=config.fid_guide_scale)
+            guide = (self.load_guide(config.fid_guide)[0]
+                     if scores and config.fid_guide and guide_scale != 1 else None)
+        self.sampler = functools.partial(Sampler, graphdef, objective, mesh, vae=vae,
+                                         latent_scale=ds.latent_scale, steps=config.sample_steps,
+                                         method=objective.default_method)
+        self.grid_sampler, self.fid_sampler = self.sampler(cfg_scale=config.cfg_scale), None
+        if scores and not self.swept:  # the setting that the options fix
+            scale = FID_CFG_SCALE if config.fid_cfg_scale is None else config.fid_cfg_scale
+            self.fid_sampler = self.sampler(cfg_scale=scale, interval=config.fid_guidance_interval,
+                                            guide=guide, guide_scale=guide_scale)
+        self.cfg = cfg
         batch, n = NamedSharding(mesh, P("data")), device_multiple(16)
         # the grid's inputs, made once where the sampler takes them: an evaluation moves nothing
         self.grid = jax.jit(lambda: (
@@ -3425,7 +3486,7 @@ class Evaluator:
             data_dir = config.data_dir or default_data_dir("imagenet100")
             # the adm reference batch (all five numbers) where prepare_imagenet100.py wrote one
             refs = [os.path.join(data_dir, name) for name in ("fid_ref.npz", "fid_stats.npz")]
-        self.ref, self.has_ref = reference_on_every_host(refs if self.fid_sampler else [])
+        self.ref, self.has_ref = reference_on_every_host(refs if scores else [])
         if self.has_ref:  # what FID needs, each host's own, before training rather than after
             with on_every_host():
                 self.inception = fid_module().load_inception(config.inception)
@@ -3458,16 +3519,47 @@ class Evaluator:
             self.fid(params, step, config.fid_samples, log)
 
     def fid(self, params, step, n, log):
-        """Print and log FID-N and the other scores of n samples, or why none."""
+        """Print and log FID-N and the other scores of n samples, at the guidance that the options
+        fix, or else at the best of a sweep's (each setting and its scores logged), or why none."""
         if not self.has_ref:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
             return
-        *_, scores = sample_and_score(self.fid_sampler, params, n, self.config.batch_size,
-                                      self.ds.input_shape, self.ds.num_classes, self.config.seed,
-                                      self.inception, self.reference)
-        log.write({"step": step, **fid_record(scores)})
-        print(f"step {step}: {fid_module().describe(scores)}")
+        config, describe = self.config, fid_module().describe
+        score = lambda sampler, n, seed: sample_and_score(  # noqa: E731
+            sampler, params, n, config.batch_size, self.ds.input_shape, self.ds.num_classes, seed,
+            self.inception, self.reference)[2]
+        sampler, chosen = self.fid_sampler, {}
+        if self.swept:
+            sampler, text = self.sweep(score, step, n, log)
+            chosen = {"guidance": text}
+        scores = score(sampler, n, config.seed)
+        log.write({"step": step, **fid_record(scores), **chosen})
+        print(f"step {step}: {describe(scores)}" + (f", at {chosen['guidance']}" if chosen else ""))
+
+    def sweep(self, score, step, n, log):
+        """(sampler, its setting's text): the setting of swept_settings with the lowest FID on
+        n // len(settings) samples each (together at most n), from the same noise, apart from the
+        final FID's so that its figure is not chosen on its own samples."""
+        path = kept_guide(self.config.run_dir, step)
+        with on_every_host():
+            guide, meta = self.load_guide(path) if path else (None, {})
+        settings = swept_settings(self.cfg, path)
+        samplers = [self.sampler(cfg_scale=scale, interval=interval, guide_scale=w,
+                                 guide=guide if w != 1 else None)
+                    for scale, interval, (_, w), _ in settings]
+        if len(settings) == 1:  # nothing to choose
+            return samplers[0], guidance_names(*settings[0])[0]
+        m, fids = n // len(settings), []
+        for setting, sampler in zip(settings, samplers):
+            scores = score(sampler, m, self.config.seed + 2)
+            log.write({"step": step, **guidance_record(*setting, meta.get("step") if setting[2][0]
+                                                       else None), **fid_record(scores)})
+            print(f"step {step}: {guidance_names(*setting)[0]}: {fid_module().describe(scores)}")
+            fids.append(scores["fid"])
+        best = int(np.argmin(np.nan_to_num(np.array(fids, float), nan=np.inf)))
+        return samplers[best], (f"{guidance_names(*settings[best])[0]}, the best of "
+                                f"{len(settings)} settings at {count_label(m)} samples each")
 
 #################################################################################
 #                                 19. Benchmark                                 #
@@ -3749,8 +3841,9 @@ def report_panels(runs, axis):
                  dict(marker="o")) for i, run in enumerate(runs)], [])
               for t in VAL_TIMES if validated]
     # FID and the other scores: during training, a marker per sample count and protocol; by the
-    # guidance scale of each run's newest `sample --fid` sweep, a colour and marker per guidance
-    # setting and sample count; precision and recall by line style; legends where there are several.
+    # guidance scale of each run's newest sweep (its FID's own, or `sample --fid`'s), a colour and
+    # marker per guidance setting and sample count; precision and recall by line style; legends
+    # where there are several.
     kinds = sorted({scored(r) for run in runs for r in run.fid})
     markers = {kind: dict(marker="os^vD<>"[j % 7]) for j, kind in enumerate(kinds)}
     trained = []  # [(run index, xs, records, line options)]
@@ -3803,7 +3896,7 @@ def report_panels(runs, axis):
         for x, (lines, entries) in swept.items():
             if lines and title in ("FID", "Precision and Recall"):
                 what = "guidance" if x == "guidance scale" else "autoguidance"
-                sweeps.append((f"{title} by {what} (sample --fid)", x, title, values(lines, keys),
+                sweeps.append((f"{title} by {what} (newest sweep)", x, title, values(lines, keys),
                                entries + by_key))
     return [row for row in (training, levels, scores, sweeps) if row]
 
@@ -3858,7 +3951,8 @@ def report_table(runs, labels, out, curves):
         best = (f"{np.nanmin(val):.4f} at step {val_steps[int(np.nanargmin(val))]:,}"
                 if known.any() else "")
         fid = run.fid[-1] if run.fid else None
-        fid = f"{as_number(fid['fid']):.2f} ({scored(fid)}, step {fid['step']:,})" if fid else ""
+        fid = (f"{as_number(fid['fid']):.2f} ({scored(fid)}, step {fid['step']:,}"
+               f"{', ' + fid['guidance'] if fid.get('guidance') else ''})" if fid else "")
         speed = np.nanmedian(run.values(run.train, "images_per_s"))
         cells = [run.dir, f"`{label}`", f"{count:,}" if count else "", f"{run.train[-1]['step']:,}",
                  f"{run.hours[1][-1]:.2f}", f"{speed:.1f}", last, best, fid]
@@ -4149,14 +4243,19 @@ class TrainConfig(HostOptions, WeightOptions, ModelOptions):  # None: with_defau
     fid_samples: int = option(5000, "samples for --fid-every", type=positive_int)
     final_fid: int | None = option(None, "samples of the final FID (0: none)",
                                    type=non_negative_int)
-    fid_cfg_scale: float = option(FID_CFG_SCALE, "guidance scale of FID samples", type=float)
+    fid_cfg_scale: float | None = option(None, f"guidance scale of FID samples (default: "
+                                         f"{FID_CFG_SCALE:g} where another --fid-* guidance "
+                                         f"option is given, else each FID's guidance is the best "
+                                         f"of a sweep on a tenth of its samples, README, Guidance)",
+                                         type=float)
     fid_guidance_interval: tuple[float, float] | None = option(
         None, "guide FID samples only for timesteps in [T_LO, T_HI] (0..1000 scale)", type=float,
         nargs=2, metavar=("T_LO", "T_HI"))
     fid_guide: str | None = option(None, "autoguide FID samples by these weights (e.g. a guide "
                                    "that `sample --fid` chose from RUN/ema/)")
-    fid_guide_scale: float = option(1.0, "autoguidance's weight for FID samples (1: none)",
-                                    type=float)
+    fid_guide_scale: float | None = option(None, "autoguidance's weight for FID samples (default: "
+                                           "1, none, where another --fid-* guidance option is "
+                                           "given)", type=float)
     fid_ref: str | None = option(None, "reference batch or statistics .npz (imagenet100: "
                                  "<data-dir>/fid_ref.npz, else fid_stats.npz)")
     compile_cache: str | None = option(None, "JAX's persistent compilation cache, where a run that "
@@ -4203,6 +4302,10 @@ class SampleConfig(HostOptions, WeightOptions):
         None, "internal guidance's weight w: internal + w * (final - internal), of a model trained "
         "with --internal-guidance (1: the final layer alone); with --fid, comma-separated weights "
         "are each sampled and scored", type=float_list)
+    guidance_sweep: bool = option(False, "with --fid: sample and score each setting of the sweep "
+                                  "that chooses a run's FID guidance (README, Guidance), guided "
+                                  "by the run's kept EMA nearest half the checkpoint's step",
+                                  action="store_true")
     n: int = option(16, "images in the grid", type=positive_int)
     labels: tuple[int, ...] | None = option(None, "class labels of the grid (default: 0, 1, 2, "
                                             "...)", type=int, nargs="*")
@@ -4395,6 +4498,11 @@ def sample_command(config):
                          f"a file; copy one under another name")
     settings = list(itertools.product(scales, config.guidance_interval or [None], guides,
                                       config.internal_scale or [1.0]))
+    if config.guidance_sweep and (config.cfg_scale or config.guidance_interval or config.guide
+                                  or config.internal_scale or not config.fid):
+        raise InputError("--guidance-sweep samples its own settings and scores them: give it with "
+                         "--fid N, without --cfg-scale, --guidance-interval, --guide or "
+                         "--internal-scale")
     if config.fid:
         check_batch_size(config.batch_size)
         if config.gif:
@@ -4423,6 +4531,13 @@ def sample_command(config):
     if config.sampler and config.sampler not in objective.METHODS:
         raise InputError(f"--sampler {config.sampler} is not a sampler of this model's objective "
                          f"({objective.name}); use {' or '.join(sorted(objective.METHODS))}")
+    if config.guidance_sweep:  # the run's kept EMA guides, where it is a run's and one is kept
+        run_dir = run_of(config.ckpt) if isinstance(meta.get("step"), int) else None
+        path = kept_guide(run_dir, meta["step"]) if run_dir else None
+        with on_every_host():
+            guide_models = {path: load_guide(path, cfg, objective, latent_scale, config.ckpt,
+                                             compute_dtype(config.precision))} if path else {}
+        settings, scales = swept_settings(cfg, path), []
     for scale in scales:
         with errors_named(f"--cfg-scale {scale:g}"):
             check_guidance(cfg, scale)
@@ -4444,23 +4559,9 @@ def sample_command(config):
         return make_sampler(cfg_scale=scale, interval=interval, internal_scale=internal,
                             guide=guide_models[path][0] if path else None, guide_scale=w)
 
-    def described(scale, interval, guide, internal):
-        """The setting as a row names it, and as a file name ends."""
-        path, w = guide
-        text = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval
-                                        else "")
-        suffix = f"_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval else "")
-        if path:
-            name = os.path.splitext(os.path.basename(path))[0]
-            text += f", autoguidance {w:g} by {path}"
-            suffix += f"_ag{w:g}-{name}"
-        if internal != 1:
-            text, suffix = text + f", internal guidance {internal:g}", suffix + f"_ig{internal:g}"
-        return text, suffix
-
     # Every file's folder made, or its path refused, before the sampling, which can take hours.
     root, ext = os.path.splitext(config.out or ("samples.npz" if config.fid else "samples.png"))
-    outs = ([root + (described(*s)[1] if len(settings) > 1 else "") + ext for s in settings]
+    outs = ([root + (guidance_names(*s)[1] if len(settings) > 1 else "") + ext for s in settings]
             if config.fid else [root + ext] + ([config.gif] if config.gif else []))
     with on_every_host():  # process 0 writes them
         if jax.process_index() == 0:
@@ -4472,7 +4573,7 @@ def sample_command(config):
         labels = (np.resize(np.asarray(config.labels, np.int32), n) if config.labels
                   else spread_labels(n, cfg.num_classes))
         noise = jax.random.normal(jax.random.key(config.seed), (n, *shape))
-        say(f"sampling {n} images ({method}, {steps} steps, {described(*settings[0])[0]})")
+        say(f"sampling {n} images ({method}, {steps} steps, {guidance_names(*settings[0])[0]})")
         out = sampler(params, noise, jnp.asarray(labels), jax.random.key(config.seed + 1))
         images, trajectory = out if config.gif else (out, None)
         if jax.process_index() != 0:
@@ -4496,7 +4597,7 @@ def sample_command(config):
             run_dir = None
     scores = {}
     for (scale, interval, (guide, w), internal), out in zip(settings, outs):
-        setting = described(scale, interval, (guide, w), internal)[0]
+        setting = guidance_names(scale, interval, (guide, w), internal)[0]
 
         def save(images, labels):
             if jax.process_index() == 0:
@@ -4512,12 +4613,11 @@ def sample_command(config):
             print(f"{setting}: {fid.describe(result)}")
             scores[setting] = {k: v for k, v in result.items() if np.ndim(v) == 0}
             if run_dir and jax.process_index() == 0:
-                record = {"step": meta["step"], "cfg_scale": scale, "guidance_interval": interval,
-                          "guidance_channels": config.guidance_channels, "guide": guide,
-                          "guide_step": guide_models[guide][1].get("step") if guide else None,
-                          "guide_scale": w, "internal_scale": internal, "sampler": method,
-                          "sample_steps": steps,
-                          **fid_record(result)}
+                record = {"step": meta["step"], **guidance_record(
+                    scale, interval, (guide, w), internal,
+                    guide_models[guide][1].get("step") if guide else None,
+                    config.guidance_channels), "sampler": method, "sample_steps": steps,
+                    **fid_record(result)}
                 # Without the run's lock, so that a run's checkpoints are scored while it trains:
                 # one line appended whole (a run resumed meanwhile drops it with its later records).
                 with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:

@@ -3417,8 +3417,13 @@ def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception
     [val] = [r for r in run if "val_loss" in r]
     assert val["step"] == 4 and np.isfinite(val["val_loss"])
     assert np.mean(list(val["val_loss_t"].values())) == pytest.approx(val["val_loss"])
-    [scores] = [r for r in run if "fid" in r]
+    [scores] = [r for r in run if "fid" in r and "cfg_scale" not in r]
     assert scores["fid_samples"] == 16 and scores["fid_protocol"] == "adm"
+    # at the guidance that its sweep chose: CFG's 7 settings (no EMA kept in 4 steps), 2 samples
+    # each
+    sweep = [r for r in run if "cfg_scale" in r]
+    assert len(sweep) == 7 and {r["fid_samples"] for r in sweep} == {2}
+    assert scores["guidance"].endswith("the best of 7 settings at 2 samples each")
     for host in hosts:  # each host resumed from its own copy and has the EMA weights to sample
         assert (host / COURSE_RUN / "ema.safetensors").exists()
 
@@ -4122,14 +4127,14 @@ def test_report_draws_guidance_sweeps(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in sweep))
     report = dit.main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
-    ax = panels(report.figure)["FID by guidance (sample --fid)"]
+    ax = panels(report.figure)["FID by guidance (newest sweep)"]
     whole, interval = ax.lines
     assert xy(whole)[0].tolist() == [1.0, 1.5, 3.0]
     assert xy(whole)[1] == pytest.approx([10 + 0.6 ** 2, 10 + 0.1 ** 2, 10 + 1.4 ** 2])
     assert xy(interval)[0].tolist() == [1.0, 3.0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "step 20,000, 10K samples, adm", "step 20,000, 10K samples, adm, CFG in [0, 700]"]
-    ax = panels(report.figure)["Precision and Recall by guidance (sample --fid)"]
+    ax = panels(report.figure)["Precision and Recall by guidance (newest sweep)"]
     precision, recall = ax.lines[:2]
     assert xy(precision)[1] == pytest.approx([0.6, 0.65, 0.8])
     assert xy(recall)[1] == pytest.approx([0.5, 0.45, 0.3])
@@ -4289,7 +4294,7 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
     assert [r["fid"] for r in logged] == [printed[f"guidance {s}"]["fid"] for s in (1, 3)] == [
         101, 102]
     report = dit.main(["report", str(run_dir), "--out", str(tmp_path / "out")])
-    line = panels(report.figure)["FID by guidance (sample --fid)"].lines[0]
+    line = panels(report.figure)["FID by guidance (newest sweep)"].lines[0]
     np.testing.assert_array_equal(xy(line), [[1, 3], [r["fid"] for r in logged]])
     model = dit.load_model(dit.list_checkpoints(run_dir)[-1])[0]
     assert f"| {dit.count_params(model):,} | 9 |" in (tmp_path / "out" / "report.md").read_text()
@@ -4337,11 +4342,11 @@ def test_autoguidance_sweep_by_the_runs_kept_ema(tmp_path, straight_run, monkeyp
     np.testing.assert_array_equal(load("ag_cfg1.5.npz"), load("cfg.npz"))
     assert (load("ag_cfg1.5_ag2-step_0000003.npz") != load("cfg.npz")).any()
     report = dit.main(["report", str(run_dir), "--out", str(tmp_path / "out")])
-    ax = panels(report.figure)["FID by autoguidance (sample --fid)"]
+    ax = panels(report.figure)["FID by autoguidance (newest sweep)"]
     np.testing.assert_allclose(xy(ax.lines[0]), [[1, 2, 3], [r["fid"] for r in logged]])
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "step 9, 4 samples, pytorch-fid, CFG 1.5, guide step_0000003.safetensors"]
-    assert xy(panels(report.figure)["FID by guidance (sample --fid)"].lines[0])[0].tolist() == [1.5]
+    assert xy(panels(report.figure)["FID by guidance (newest sweep)"].lines[0])[0].tolist() == [1.5]
 
 @slow
 def test_a_guide_that_cannot_guide_is_named_with_the_model(tmp_path, straight_run):
@@ -4879,7 +4884,8 @@ def test_notebook_dit_pasted_alone(kernel, tmp_path, folder_data):
     assert kernel.paste(os.path.join(HERE, "dit.py")) == ("ok", [])
     ref = tmp_path / "ref.npz"
     np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
-    argv = train_args(folder_data, tmp_path / "run", 3, ["--final-fid", "8", "--fid-ref", str(ref)])
+    argv = train_args(folder_data, tmp_path / "run", 3,
+                      ["--final-fid", "10", "--fid-ref", str(ref)])
     status, out = kernel.run(f"{TINY}\nmain({argv!r})")
     errors = [text for kind, text in out if kind == "error"]
     assert status == "error" and len(errors) == 1 and "\n" not in errors[0], out
@@ -6865,3 +6871,140 @@ def test_run_cli_prints_one_line_for_the_user_and_a_traceback_for_bugs():
     with pytest.raises(KeyError):  # a bug: not caught, so Python prints its traceback
         dit.run_cli(fails(KeyError("x")))
     assert dit.run_cli(lambda argv: ("ran", argv), ["--flag"]) == ("ran", ["--flag"])
+
+#################################################################################
+#                        FID at the guidance a sweep chose                      #
+#################################################################################
+
+def true_fid(cfg_scale, interval, guide_scale, guided):
+    """The FID that stub_sampling's images carry: lowest, 15, at autoguidance 3 alone; CFG, its
+    interval and the combination all higher (CFG 1.5 with autoguidance 2: 21.5)."""
+    return (40 + 3 * abs(cfg_scale - 1) + 3 * (interval is not None)
+            - guided * (10 + 5 * guide_scale))
+
+def stub_sampling(monkeypatch, fed):
+    """Samples whose every pixel is the setting's true_fid / 100 (in [-1, 1]), and an Inception
+    that reads it back as FID, the images fed to it kept in `fed`."""
+    def sample(model, objective, noise, y, key, *, cfg_scale=1.0, interval=None, guide=None,
+               guide_scale=1.0, **options):
+        guided = guide is not None and guide_scale != 1
+        return jnp.full(noise.shape, true_fid(cfg_scale, interval, guide_scale, guided) / 100)
+
+    def evaluate(images, ref, inception):
+        fed.append(images)
+        return {"count": len(images), "protocol": ref["protocol"],
+                "fid": float((images.mean() - 128) / 127.5 * 100), "sfid": None,
+                "inception_score": 1.0, "inception_score_std": 0.0, "precision": None,
+                "recall": None}
+    monkeypatch.setattr(dit, "sample", sample)
+    monkeypatch.setattr(fid, "load_inception", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fid, "evaluate", evaluate)
+
+@slow
+def test_final_fid_at_the_guidance_its_sweep_chose(tmp_path, folder_data, monkeypatch, capsys):
+    """Without a --fid-* guidance option, the final FID-N is of the setting that scored best on
+    N // 10 samples each (autoguidance 3 by the EMA kept at step 6, nearest half of 12, best by
+    construction): the sweep's samples together at most N, each setting logged in metrics.jsonl,
+    and `report` draws and tabulates them."""
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    fed = []
+    stub_sampling(monkeypatch, fed)
+    run_dir = tmp_path / "run"
+    dit.main(train_args(folder_data, run_dir, 12, ["--final-fid", "45", "--fid-ref", str(ref)]))
+    assert sorted(os.listdir(run_dir / "ema")) == [f"step_{s:07d}.safetensors" for s in (3, 6, 12)]
+    guide = str(run_dir / "ema" / "step_0000006.safetensors")
+    sweep = [r for r in records(run_dir) if "cfg_scale" in r]
+    assert len(sweep) == 10 and all(r["step"] == 12 and r["fid_samples"] == 4 for r in sweep)
+    # every setting as sampled: the FID that its images carry (to uint8's rounding)
+    for r in sweep:
+        guided = r["guide"] is not None
+        assert r["guide"] in (None, guide) and r["guide_step"] == (6 if guided else None)
+        assert r["fid"] == pytest.approx(true_fid(r["cfg_scale"], r["guidance_interval"],
+                                                  r["guide_scale"], guided), abs=1)
+    assert {(r["cfg_scale"], r["guide_scale"]) for r in sweep} >= {(4, 1), (1, 3), (1.5, 2)}
+    assert [r["guidance_interval"] for r in sweep if r["guidance_interval"]] == [[0, 750]] * 2
+    # the cost: the sweep's samples together at most the final FID's, from other noise
+    assert [len(images) for images in fed] == [4] * 10 + [45]
+    [final] = [r for r in records(run_dir) if "fid" in r and "cfg_scale" not in r]
+    assert final["fid_samples"] == 45 and final["fid"] == pytest.approx(15, abs=1)
+    chosen = f"guidance 1, autoguidance 3 by {guide}, the best of 10 settings at 4 samples each"
+    assert final["guidance"] == chosen
+    assert re.search(rf"^step 12: FID-45 \(pytorch-fid\) [\d.]+, IS-45 \(pytorch-fid\) 1.00, "
+                     rf"at {re.escape(chosen)}$", capsys.readouterr().out, re.M)
+    report = dit.main(["report", str(run_dir), "--out", str(tmp_path / "out")])
+    by_scale = panels(report.figure)["FID by guidance (newest sweep)"]
+    unguided = xy(by_scale.lines[0])  # CFG over every noise level
+    np.testing.assert_allclose(unguided, [[1, 1.5, 2, 3, 4], [
+        next(r["fid"] for r in sweep if r["cfg_scale"] == s and not r["guidance_interval"]
+             and r["guide"] is None) for s in (1, 1.5, 2, 3, 4)]])
+    by_weight = panels(report.figure)["FID by autoguidance (newest sweep)"]
+    np.testing.assert_allclose(xy(by_weight.lines[0])[0], [1, 2, 3])
+    assert chosen in (tmp_path / "out" / "report.md").read_text()
+
+@slow
+def test_a_fid_option_fixes_the_guidance(tmp_path, folder_data, monkeypatch):
+    """--fid-cfg-scale (or any other --fid-* guidance option) fixes the final FID's setting: no
+    sweep, one evaluation of all N samples; a sweep of more settings than samples is refused."""
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    fed = []
+    stub_sampling(monkeypatch, fed)
+    run_dir = tmp_path / "run"
+    dit.main(train_args(folder_data, run_dir, 3, ["--final-fid", "12", "--fid-ref", str(ref),
+                                                   "--fid-cfg-scale", "4"]))
+    [final] = [r for r in records(run_dir) if "fid" in r]
+    assert [len(images) for images in fed] == [12] and "guidance" not in final
+    assert final["fid"] == pytest.approx(true_fid(4, None, 1, False), abs=1)
+    with pytest.raises(dit.InputError, match="FID samples below the 10 settings"):
+        dit.main(train_args(folder_data, tmp_path / "few", 3, ["--final-fid", "9", "--fid-ref",
+                                                                str(ref)]))
+
+def test_sweep_settings_follow_the_model_and_its_kept_guides(tmp_path):
+    """The guide is the kept EMA before the step nearest half of it; CFG's settings need a null
+    label, autoguidance's a guide."""
+    assert dit.kept_guide(str(tmp_path), 100) is None
+    (tmp_path / "ema").mkdir()
+    for step in (10, 20, 40, 80, 160):
+        (tmp_path / "ema" / f"step_{step:07d}.safetensors").touch()
+    (tmp_path / "ema" / "notes.txt").touch()
+    at = lambda step: os.path.basename(dit.kept_guide(str(tmp_path), step))  # noqa: E731
+    assert [at(s) for s in (30, 100, 160, 400)] == [
+        "step_0000010.safetensors", "step_0000040.safetensors", "step_0000080.safetensors",
+        "step_0000160.safetensors"]
+    assert dit.kept_guide(str(tmp_path), 10) is None
+    cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=1,
+                        num_heads=2, num_classes=10)
+    everything = dit.swept_settings(cfg, "g")
+    assert len(everything) == len(dit.FID_SWEEP) == 10
+    assert max(scale for scale, _, _, _ in everything) >= 4
+    assert [s[:3] for s in dit.swept_settings(cfg, None)] == [
+        (scale, interval, (None, 1.0)) for scale, interval, w in dit.FID_SWEEP if w == 1]
+    no_null = dataclasses.replace(cfg, class_dropout_prob=0.0)
+    assert [s[:3] for s in dit.swept_settings(no_null, "g")] == [
+        (1.0, None, (None, 1.0)), (1.0, None, ("g", 2.0)), (1.0, None, ("g", 3.0))]
+
+@slow
+def test_sample_scores_the_runs_guidance_sweep(tmp_path, straight_run, monkeypatch):
+    """`sample --fid N --guidance-sweep` samples and scores each setting of the sweep at N, guided
+    by the run's kept EMA nearest half the weights' step (3 and 6 kept, step 9: the earlier), a
+    file and a record each; other guidance options beside it are refused."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
+    fed = []
+    stub_sampling(monkeypatch, fed)
+    common = ["sample", "--ckpt", str(run_dir / "ema.safetensors"), "--fid", "5", "--batch-size",
+              "4", "--steps", "2", "--ref", str(ref), "--out", str(tmp_path / "sweep" / "s.npz")]
+    printed = dit.main(common + ["--guidance-sweep"])
+    guide = str(run_dir / "ema" / "step_0000003.safetensors")
+    assert len(printed) == 10 and [len(images) for images in fed] == [5] * 10
+    assert printed[f"guidance 1, autoguidance 3 by {guide}"]["fid"] == pytest.approx(15, abs=1)
+    assert len(os.listdir(tmp_path / "sweep")) == 10
+    logged = [r for r in records(run_dir) if "cfg_scale" in r]
+    assert [r["fid"] for r in logged] == [s["fid"] for s in printed.values()]
+    assert {r["guide"] for r in logged} == {None, guide}
+    for extra in (["--cfg-scale", "2"], ["--guide", guide, "--guide-scale", "2"]):
+        with pytest.raises(dit.InputError, match="--guidance-sweep samples its own settings"):
+            dit.main(common + ["--guidance-sweep", *extra])
