@@ -2595,8 +2595,20 @@ def check_memory(step, make_step, args, config):
     if refusal:
         raise InputError(refusal)
 
-# A training step's memory on a device of `limit` bytes (XLA's count), and where it exceeds them, one
-# line with what would fit: twice the micro-batches (compiled for the check) or more, --remat, a
+def program_memory(compile):
+    """(state and batch, working memory) in bytes a device of the program that compile() compiles
+    (XLA's count); None where the compiler refuses it for memory (a TPU's)."""
+    try:
+        m = compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
+            m.temp_size_in_bytes)
+
+# A training step's memory on a device of `limit` bytes (XLA's count), and where it exceeds them,
+# one line with what would fit: twice the micro-batches (compiled for the check) or more, --remat, a
 # smaller batch. More micro-batches are estimated from K and 2K: their working memory, c + A K / k,
 # has a part that scales with the micro-batch (activations) and one that does not (gradients, the
 # optimizer's update). A TPU's compiler refuses a program larger than its memory: then each count of
@@ -2604,15 +2616,7 @@ def check_memory(step, make_step, args, config):
 def step_memory(compiled, config, limit):
     """(bytes a device, or None where refused; None where it fits, else the line): `compiled(k)`
     is the step of k micro-batches, compiled."""
-    def count(k):  # (state and batch, working memory) in bytes on a device, or None: refused
-        try:
-            m = compiled(k).memory_analysis()
-        except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            return None
-        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
-                m.temp_size_in_bytes)
+    count = lambda k: program_memory(lambda: compiled(k))  # noqa: E731
     counted, K = count(config.grad_accum), config.grad_accum
     if counted and sum(counted) <= limit:
         return sum(counted), None
@@ -2664,7 +2668,8 @@ def state_maker(cfg, tx, seed, mesh, fsdp, dtype, remat):
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
-    return init, nnx.graphdef(nnx.eval_shape(build)), abstract, state_shardings(abstract, mesh, fsdp)
+    graphdef = nnx.graphdef(nnx.eval_shape(build))
+    return init, graphdef, abstract, state_shardings(abstract, mesh, fsdp)
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
     """(graphdef, state, shardings): the state made in its shardings, or read from `checkpoint`."""
@@ -3514,8 +3519,9 @@ class Evaluator:
 #################################################################################
 
 # Dense bfloat16 (T4, V100, P100: float16) peak FLOP/s of one JAX device, for model FLOPs
-# utilisation (MFU): a GPU (a MIG slice 3g.20gb: 3 of an A100's 7 compute slices) or TPU chip, but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3:
-# 123 TFLOP/s a chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
+# utilisation (MFU): a GPU (a MIG slice 3g.20gb: 3 of an A100's 7 compute slices) or TPU chip,
+# but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3: 123 TFLOP/s a
+# chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
 # exact device_kind (v5e's is "TPU v5 lite", v5p's "TPU v5"), GPUs by a part of theirs ("H100").
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "3g.20gb": 312e12 * 3 / 7, "A100": 312e12,
               "L4": 121e12, "A10G": 125e12, "A40": 150e12, "V100": 125e12, "T4": 65e12,
@@ -3634,7 +3640,8 @@ def bench(config):
         print(f"  {term.name}: compile {compile_s:.1f} s | {1000 * term_s:.1f} ms/step | "
               f"{n / term_s:.1f} images/s, {term_s / seconds:.2f}x the step without it")
         figures[f"{term.name}_ms_per_step"] = 1000 * term_s
-    print(f"  hours:   {hours_of(seconds)}" + (f" | masked: {hours_of(masked_s)}" if masking else ""))
+    print(f"  hours:   {hours_of(seconds)}"
+          + (f" | masked: {hours_of(masked_s)}" if masking else ""))
     forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
                       in_shardings=(None, batch, batch, batch))
     t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
@@ -3734,15 +3741,17 @@ def target_devices(name):
               else "JAX's default")
     return devices, limit, f"{fraction:g} of {size_text(gpu[-2])}, {source}"
 
-def compiled_line(name, compiled, limit, flops_note=""):
+def compiled_line(name, compile, limit):
     """One program's memory a device against `limit`, and its FLOPs a device where XLA counts
     them."""
-    m = compiled.memory_analysis()
-    need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + \
-        m.temp_size_in_bytes
-    flops = (compiled.cost_analysis() or {}).get("flops")
-    return (f"  {name}: {size_text(need)} a device, {'fits' if need <= limit else 'DOES NOT FIT'}"
-            + (f" | {flops:.3g} FLOP a device{flops_note}" if flops else ""))
+    counted = program_memory(compile)
+    if not counted or sum(counted) > limit:
+        return (f"  {name}: does not fit a device's {size_text(limit)}"
+                + (f" ({size_text(sum(counted))})" if counted else " (XLA's compiler refused it)")
+                + "; try a smaller --batch-size")
+    flops = (compile().cost_analysis() or {}).get("flops")
+    return (f"  {name}: {size_text(sum(counted))} a device, fits"
+            + (f" | {flops:.3g} FLOP a device" if flops else ""))
 
 def bench_target(config):
     """bench --target: each program of a run compiled for the target, a line each."""
@@ -3772,7 +3781,8 @@ def bench_target(config):
         device = devices[0]
         print(f"DiT-{config.size}/{config.patch} {config.image_size}x{config.image_size}x"
               f"{config.channels}, global batch {n}, {config.arch}, {config.objective}, "
-              f"{config.precision}, attention {attention_implementation(dtype, cfg.hidden_size // cfg.num_heads)}"
+              f"{config.precision}, attention "
+              f"{attention_implementation(dtype, cfg.hidden_size // cfg.num_heads)}"
               f"{f', remat {config.remat}' if config.remat else ''}"
               f"{', fsdp' if config.fsdp else ''}, compiled for {len(devices)} x "
               f"{device.device_kind} ({config.target}): a run may use {size_text(limit)} a device "
@@ -3781,19 +3791,21 @@ def bench_target(config):
         if refusal:
             print(f"  train:   {refusal}")
         else:
-            flops = compiled(config.grad_accum).cost_analysis() or {}
-            flops = flops.get("flops") or 3 * dit_flops(cfg) * n / len(devices)
+            counted = (compiled(config.grad_accum).cost_analysis() or {}).get("flops")
+            flops = counted or 3 * dit_flops(cfg) * n / len(devices)  # GPUs: XLA counts none
             seconds = flops / (peak_flops(device) * ESTIMATE_MFU)
-            print(f"  train:   {size_text(need)} a device: fits | {flops:.3g} FLOP a device | at "
+            print(f"  train:   {size_text(need)} a device: fits | {flops:.3g} FLOP a device "
+                  f"({'XLA' if counted else 'dit_flops'}'s count) | at "
                   f"{ESTIMATE_MFU:.0%} of {device.device_kind}'s peak (an estimate): "
                   f"{1000 * seconds:.0f} ms a step, {hours_of(seconds)}")
         sampler = Sampler(graphdef, objective, mesh, steps=objective.default_steps,
                           method=objective.default_method, cfg_scale=FID_CFG_SCALE)
         key = shaped((), jax.eval_shape(lambda: jax.random.key(0)).dtype, NamedSharding(mesh, P()))
         params = state["params"]
-        print(compiled_line(f"sample:  {objective.default_method}, {objective.default_steps} steps, "
-                            f"guidance {FID_CFG_SCALE}, batch {n}",
-                            sampler.run.lower(params, None, x, y, key).compile(), limit))
+        print(compiled_line(f"sample:  {objective.default_method}, {objective.default_steps} "
+                            f"steps, guidance {FID_CFG_SCALE}, batch {n}",
+                            functools.cache(sampler.run.lower(params, None, x, y, key).compile),
+                            limit))
     finally:
         TARGET_DEVICES.reset(token)
 
