@@ -34,7 +34,7 @@ section in a box of three lines, a sub-section in one line of dashes.
      16. Checkpoints                      atomic saves, exact resume on any number of devices
      17. The training loop                the mesh, the run directory, train()
      18. Sampling and evaluation          grids, one path from a model to scored samples
-     19. Benchmark                        images/s, MFU and memory
+     19. Benchmark                        images/s, MFU, memory; compiled for a device not here
      20. Reports                          runs side by side: curves.png and report.md
      21. Configuration and command line   one dataclass per command, its parser; one-line errors
     Part IV: appendix, files from outside
@@ -3654,7 +3654,7 @@ def bench(config):
                                                         state["params"], mesh, shape)
     return figures
 
-# -------------------------- A run compiled for its target --------------------------
+# --- A run compiled for its target ---------------------------------------------
 # `bench --target NAME` compiles a run's programs for a device that this machine lacks, with XLA's
 # compiler for it (jax.experimental.topologies): libtpu's for a TPU slice, jax[cuda12]'s for an
 # NVIDIA GPU that a GpuTargetConfigProto describes. Nothing runs: each program's memory a device is
@@ -3724,6 +3724,7 @@ def target_devices(name):
             raise InputError(f"--target {name} compiles with XLA's TPU compiler: pip install "
                              f"\"jax[tpu]=={jax.__version__}\"")
         topology, host, *chip = TPU_TARGETS[name]
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling needs no TPU to hold
         devices = topologies.get_topology_desc(
             platform="tpu", topology_name=topology, chips_per_host_bounds=host,
             wrap=(False, False, False), **({"chip_config_name": chip[0]} if chip else {})).devices
@@ -3793,9 +3794,10 @@ def bench_target(config):
         else:
             counted = (compiled(config.grad_accum).cost_analysis() or {}).get("flops")
             flops = counted or 3 * dit_flops(cfg) * n / len(devices)  # GPUs: XLA counts none
+            source = "XLA's" if counted else "dit_flops'"
             seconds = flops / (peak_flops(device) * ESTIMATE_MFU)
             print(f"  train:   {size_text(need)} a device: fits | {flops:.3g} FLOP a device "
-                  f"({'XLA' if counted else 'dit_flops'}'s count) | at "
+                  f"({source} count) | at "
                   f"{ESTIMATE_MFU:.0%} of {device.device_kind}'s peak (an estimate): "
                   f"{1000 * seconds:.0f} ms a step, {hours_of(seconds)}")
         sampler = Sampler(graphdef, objective, mesh, steps=objective.default_steps,
