@@ -6908,6 +6908,7 @@ def test_target_gpu_traces_its_attention_and_precision():
     assert dit.run_devices() == jax.devices()
     assert dit.attention_implementation(jnp.bfloat16, 64) == "xla"
 
+@slow  # XLA's CUDA compiler takes minutes even for this model, on 2 cores
 def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
     """A MIG slice of an A100: one device, cuDNN's attention, what a run may use of it as
     XLA_PYTHON_CLIENT_MEM_FRACTION sets it; XLA's CUDA compiler counts no FLOPs."""
