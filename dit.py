@@ -3572,6 +3572,8 @@ def bench(config):
     config = checked(config)
     if config.target:
         return bench_target(config)
+    if config.grad_accum != 1:
+        raise InputError("bench times the step of one batch; --grad-accum goes with --target")
     if config.profile:
         writable(config.profile, folder=True)
     config = start_devices(config, config.batch_size)
