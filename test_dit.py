@@ -6861,14 +6861,14 @@ def bench_target(capsys, target, *options):
     dit.main(["bench", "--target", target, *options])
     return capsys.readouterr().out.splitlines()
 
-TINY = ["--size", "XXS", "--patch", "4", "--image-size", "8"]
+TINY_RUN = ["--size", "XXS", "--patch", "4", "--image-size", "8"]
 
 def test_target_v3_8_compiles_a_tiny_run(capsys):
     """A TPU v3-8: 8 cores, bfloat16, XLA's attention; the training step's FLOPs a core as XLA
     counts them, beside dit_flops' count of the model's products (AdamW's and the EMA's update of
     the 2M parameters, on every core, add about half again at this size), and the guided
     sampler."""
-    head, train, sample = bench_target(capsys, "v3-8", *TINY, "--batch-size", "16")
+    head, train, sample = bench_target(capsys, "v3-8", *TINY_RUN, "--batch-size", "16")
     assert "bf16, attention xla, compiled for 8 x TPU v3 (v3-8): a run may use 15.48 GiB" in head
     fields = re.fullmatch(r"  train:   ([\d.]+) MiB a device: fits \| ([\d.e+]+) FLOP a device "
                           r"\(XLA's count\) \| "
@@ -6913,7 +6913,7 @@ def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
     """A MIG slice of an A100: one device, cuDNN's attention, what a run may use of it as
     XLA_PYTHON_CLIENT_MEM_FRACTION sets it; XLA's CUDA compiler counts no FLOPs."""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    head, train, sample = bench_target(capsys, "a100-3g.20gb", *TINY, "--batch-size", "16")
+    head, train, sample = bench_target(capsys, "a100-3g.20gb", *TINY_RUN, "--batch-size", "16")
     memory = dit.size_text(int(0.9 * dit.GPU_TARGETS["a100-3g.20gb"][-2]))
     assert head.endswith(f"bf16, attention cudnn, compiled for 1 x NVIDIA A100-SXM4-40GB MIG "
                          f"3g.20gb (a100-3g.20gb): a run may use {memory} a device (0.9 of 19.71 "
@@ -6930,7 +6930,7 @@ def test_target_without_its_compiler_says_what_to_install(monkeypatch):
     for target, extra in [("v3-8", "tpu"), ("a100-80gb", "cuda12")]:
         with pytest.raises(dit.InputError, match=re.escape(
                 f'pip install "jax[{extra}]=={jax.__version__}"')):
-            dit.main(["bench", "--target", target, *TINY])
+            dit.main(["bench", "--target", target, *TINY_RUN])
 
 @slow
 def test_target_v3_8_course_run(capsys):
