@@ -862,8 +862,8 @@ def recompute_call(method, module, *args, remat):
 # a device that the machine lacks, that device's (section 19), so that a trace picks its attention.
 TARGET_DEVICES = contextvars.ContextVar("TARGET_DEVICES", default=None)
 
+# The devices that programs are traced and compiled for: a --target's, else jax.devices().
 def run_devices():
-    """The devices that programs are traced and compiled for: a --target's, else jax.devices()."""
     return TARGET_DEVICES.get() or jax.devices()
 
 def compute_capability(device):
@@ -2584,8 +2584,8 @@ def fitting(make_step, config):
         return step(*args)
     return fitted
 
+# Ends the run in one line (step_memory's) where the training step does not fit a device.
 def check_memory(step, make_step, args, config):
-    """Ends the run in one line (step_memory's) where the training step does not fit a device."""
     limit = device_memory(jax.local_devices()[0])
     if not limit:
         return
@@ -2595,9 +2595,9 @@ def check_memory(step, make_step, args, config):
     if refusal:
         raise InputError(refusal)
 
+# (state and batch, working memory) in bytes a device of the program that compile() compiles (XLA's
+# count); None where the compiler refuses it for memory (a TPU's).
 def program_memory(compile):
-    """(state and batch, working memory) in bytes a device of the program that compile() compiles
-    (XLA's count); None where the compiler refuses it for memory (a TPU's)."""
     try:
         m = compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
@@ -2612,10 +2612,9 @@ def program_memory(compile):
 # smaller batch. More micro-batches are estimated from K and 2K: their working memory, c + A K / k,
 # has a part that scales with the micro-batch (activations) and one that does not (gradients, the
 # optimizer's update). A TPU's compiler refuses a program larger than its memory: then each count of
-# micro-batches is compiled in turn, until one fits.
+# micro-batches is compiled in turn, until one fits. `compiled(k)`: the step of k micro-batches,
+# compiled. Returns (bytes a device, or None where refused; None where it fits, else the line).
 def step_memory(compiled, config, limit):
-    """(bytes a device, or None where refused; None where it fits, else the line): `compiled(k)`
-    is the step of k micro-batches, compiled."""
     count = lambda k: program_memory(lambda: compiled(k))  # noqa: E731
     counted, K = count(config.grad_accum), config.grad_accum
     if counted and sum(counted) <= limit:
@@ -2662,9 +2661,9 @@ def state_shardings(abstract_state, mesh, fsdp):
 
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a.shape)), abstract_state)
 
+# (init, graphdef, abstract state, shardings): a new state's maker, its model's graphdef, the
+# state's shapes and shardings.
 def state_maker(cfg, tx, seed, mesh, fsdp, dtype, remat):
-    """(init, graphdef, abstract state, shardings): a new state's maker, its model's graphdef, the
-    state's shapes and shardings."""
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
@@ -3545,8 +3544,8 @@ def dit_flops(cfg):
              + T * D * p * p * cfg.out_channels)
     return 2 * (cfg.depth * per_block + embed)
 
+# The hours of the recipes' folder and ImageNet-100 runs at `seconds` a step.
 def hours_of(seconds):
-    """The hours of the recipes' folder and ImageNet-100 runs at `seconds` a step."""
     return ", ".join(f"{k // 1000}K steps {k * seconds / 3600:,.1f} h" for k in (100_000, 400_000))
 
 def profiled(profile_dir, name):
@@ -3697,9 +3696,9 @@ GPU_TARGETS = {
 # H100 (24.2% MFU, Speed) and ViT-S/16 on a TPU v3-8 (25%, the course's hours).
 ESTIMATE_MFU = 0.25
 
+# XLA's GpuTargetConfigProto of a GPU, as text, with cuDNN 9.10.
 def gpu_target_config(name, capability, sms, fpus, threads, shared, shared_optin, l2, ghz, memory,
                       bandwidth):
-    """XLA's GpuTargetConfigProto of a GPU, as text, with cuDNN 9.10."""
     major, minor = divmod(round(capability * 10), 10)
     extension = "ACCELERATED_FEATURES" if major == 9 else "NONE"  # Hopper's wgmma, as sm_90a
     return f"""gpu_device_info {{
@@ -3717,8 +3716,8 @@ def gpu_target_config(name, capability, sms, fpus, threads, shared, shared_optin
     device_description_str: "{name}"
     """
 
+# (the devices of a target slice or GPU, the bytes a run may use of each, how that is set).
 def target_devices(name):
-    """(the devices of a target slice or GPU, the bytes a run may use of each, how that is set)."""
     import importlib.util
     from jax.experimental import topologies
     if name in TPU_TARGETS:
@@ -3744,9 +3743,8 @@ def target_devices(name):
               else "JAX's default")
     return devices, limit, f"{fraction:g} of {size_text(gpu[-2])}, {source}"
 
+# One program's memory a device against `limit`, and its FLOPs a device where XLA counts them.
 def compiled_line(name, compile, limit):
-    """One program's memory a device against `limit`, and its FLOPs a device where XLA counts
-    them."""
     counted = program_memory(compile)
     if not counted or sum(counted) > limit:
         return (f"  {name}: does not fit a device's {size_text(limit)}"
@@ -3756,8 +3754,8 @@ def compiled_line(name, compile, limit):
     return (f"  {name}: {size_text(sum(counted))} a device, fits"
             + (f" | {flops:.3g} FLOP a device" if flops else ""))
 
+# bench --target: each program of a run compiled for the target, a line each.
 def bench_target(config):
-    """bench --target: each program of a run compiled for the target, a line each."""
     jax.config.update("jax_platforms", "cpu")  # this machine's devices: only to trace on
     devices, limit, how = target_devices(config.target)
     token = TARGET_DEVICES.set(devices)
