@@ -34,7 +34,7 @@ section in a box of three lines, a sub-section in one line of dashes.
      16. Checkpoints                      atomic saves, exact resume on any number of devices
      17. The training loop                the mesh, the run directory, train()
      18. Sampling and evaluation          grids, one path from a model to scored samples
-     19. Benchmark                        images/s, MFU and memory
+     19. Benchmark                        images/s, MFU, memory; compiled for a device not here
      20. Reports                          runs side by side: curves.png and report.md
      21. Configuration and command line   one dataclass per command, its parser; one-line errors
     Part IV: appendix, files from outside
@@ -49,6 +49,7 @@ call main(["--size", "S", ...]) with the same arguments, or train(TrainConfig(si
 import argparse
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import gzip
@@ -857,6 +858,14 @@ def recompute_call(method, module, *args, remat):
     pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
     return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
 
+# The devices that programs are traced for: the machine's, or where `bench --target` compiles for
+# a device that the machine lacks, that device's (section 19), so that a trace picks its attention.
+TARGET_DEVICES = contextvars.ContextVar("TARGET_DEVICES", default=None)
+
+# The devices that programs are traced and compiled for: a --target's, else jax.devices().
+def run_devices():
+    return TARGET_DEVICES.get() or jax.devices()
+
 def compute_capability(device):
     """An NVIDIA GPU's compute capability (8.0: Ampere); 0 elsewhere."""
     return float(getattr(device, "compute_capability", 0) or 0)
@@ -864,7 +873,7 @@ def compute_capability(device):
 def attention_implementation(dtype, head_dim, device=None):
     """"cudnn" (flash attention) on NVIDIA Ampere and later in 16-bit floats, head sizes 8 to 128 by
     8; else "xla"."""
-    device = device or jax.devices()[0]
+    device = device or run_devices()[0]
     fused = (device.platform == "gpu" and compute_capability(device) >= 8.0
              and dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128)
     return "cudnn" if fused else "xla"
@@ -2438,7 +2447,7 @@ def use_compile_cache(directory):
 
 def check_batch_size(batch_size, grad_accum=1):
     """The global batch is split evenly over all devices of all hosts (and micro-batches)."""
-    n = jax.device_count()
+    n = len(run_devices())
     if batch_size % n:
         raise InputError(f"--batch-size {batch_size} does not split over {n} devices; use a "
                          f"multiple of {n}")
@@ -2472,7 +2481,7 @@ def compute_dtype(precision):
 def default_precision(device=None):
     """bf16 on TPUs and NVIDIA GPUs from Ampere on, fp16 (loss-scaled) on older ones, fp32 on
     CPUs."""
-    device = device or jax.devices()[0]
+    device = device or run_devices()[0]
     if device.platform == "cpu":
         return "fp32"
     if device.platform == "gpu" and compute_capability(device) < 8.0:
@@ -2575,38 +2584,68 @@ def fitting(make_step, config):
         return step(*args)
     return fitted
 
-# One line where a step's memory (XLA's count) exceeds a device's, with what would fit: twice the
-# micro-batches (compiled for the check) or more, --remat, a smaller batch. More micro-batches are
-# estimated from K and 2K: their working memory, c + A K / k, has a part that scales with the
-# micro-batch (activations) and one that does not (gradients, the optimizer's update).
+# Ends the run in one line (step_memory's) where the training step does not fit a device.
 def check_memory(step, make_step, args, config):
     limit = device_memory(jax.local_devices()[0])
     if not limit:
         return
+    def compiled(k):  # the step of k micro-batches, compiled
+        return (step if k == config.grad_accum else make_step(k)).lower(*args).compile()
+    _, refusal = step_memory(compiled, config, limit)
+    if refusal:
+        raise InputError(refusal)
 
-    def count(step):  # (state and batch, working memory) in bytes on a device
-        m = step.lower(*args).compile().memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
-                m.temp_size_in_bytes)
-    (fixed, work), K = count(step), config.grad_accum
-    if fixed + work <= limit:
-        return
-    share, remedies = config.batch_size // jax.device_count(), []
-    if share % (2 * K) == 0:
-        scaled = 2 * (work - count(make_step(2 * K))[1])  # A
-        need = {k: fixed + work - scaled + scaled * K / k
-                for k in (K * 2 ** i for i in range(1, share.bit_length())) if share % k == 0}
-        fits = [k for k in need if need[k] <= limit]
-        remedies += [f"--grad-accum {fits[0]} (about {size_text(need[fits[0]])})"] if fits else []
+# (state and batch, working memory) in bytes a device of the program that compile() compiles (XLA's
+# count); None where the compiler refuses it for memory (a TPU's).
+def program_memory(compile):
+    try:
+        m = compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
+            m.temp_size_in_bytes)
+
+# A training step's memory on a device of `limit` bytes (XLA's count), and where it exceeds them,
+# one line with what would fit: twice the micro-batches (compiled for the check) or more, --remat, a
+# smaller batch. More micro-batches are estimated from K and 2K: their working memory, c + A K / k,
+# has a part that scales with the micro-batch (activations) and one that does not (gradients, the
+# optimizer's update). A TPU's compiler refuses a program larger than its memory: then each count of
+# micro-batches is compiled in turn, until one fits. `compiled(k)`: the step of k micro-batches,
+# compiled. Returns (bytes a device, or None where refused; None where it fits, else the line).
+def step_memory(compiled, config, limit):
+    count = lambda k: program_memory(lambda: compiled(k))  # noqa: E731
+    counted, K = count(config.grad_accum), config.grad_accum
+    if counted and sum(counted) <= limit:
+        return sum(counted), None
+    share, remedies = config.batch_size // len(run_devices()), []
+    more = [k for k in (K * 2 ** i for i in range(1, share.bit_length())) if share % k == 0]
+    if more and counted:
+        fixed, work = counted
+        scaled = 2 * (work - count(2 * K)[1])  # A
+        need = {k: fixed + work - scaled + scaled * K / k for k in more}
+    else:  # refused: compiled until one fits
+        need = {}
+        for k in more:
+            need[k] = sum(count(k) or (math.inf,))
+            if need[k] <= limit:
+                break
+    fits = [k for k in need if need[k] <= limit]
+    remedies += [f"--grad-accum {fits[0]} (about {size_text(need[fits[0]])})"] if fits else []
     remedies += {None: ["--remat"], "dots": ["--remat full"]}.get(config.remat, [])
-    raise InputError(f"the training step needs {size_text(fixed + work)} of a device's "
-                     f"{size_text(limit)} (XLA's count: {size_text(fixed)} of state and batch, "
-                     f"{size_text(work)} of working memory at {share // K} samples a device at a "
-                     f"time); try {', '.join([*remedies, 'a smaller --batch-size'])}")
+    needs = (f"needs {size_text(sum(counted))} of a device's {size_text(limit)} (XLA's count: "
+             f"{size_text(counted[0])} of state and batch, {size_text(counted[1])} of working "
+             f"memory" if counted else f"needs more than a device's {size_text(limit)} (XLA's "
+             f"compiler refused it") + f" at {share // K} samples a device at a time)"
+    return (sum(counted) if counted else None,
+            f"the training step {needs}; try {', '.join([*remedies, 'a smaller --batch-size'])}")
 
 def make_mesh():
     """A 1-D mesh "data" over all devices of all hosts."""
-    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    devices = run_devices()
+    return jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
 
 def state_shardings(abstract_state, mesh, fsdp):
     """The whole state on each device, or with fsdp each array split along its largest divisible
@@ -2622,13 +2661,18 @@ def state_shardings(abstract_state, mesh, fsdp):
 
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a.shape)), abstract_state)
 
-def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
-    """(graphdef, state, shardings): the state made in its shardings, or read from `checkpoint`."""
+# (init, graphdef, abstract state, shardings): a new state's maker, its model's graphdef, the
+# state's shapes and shardings.
+def state_maker(cfg, tx, seed, mesh, fsdp, dtype, remat):
     build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
     init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
     abstract = jax.eval_shape(init)
-    shardings = state_shardings(abstract, mesh, fsdp)
     graphdef = nnx.graphdef(nnx.eval_shape(build))
+    return init, graphdef, abstract, state_shardings(abstract, mesh, fsdp)
+
+def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
+    """(graphdef, state, shardings): the state made in its shardings, or read from `checkpoint`."""
+    init, graphdef, abstract, shardings = state_maker(cfg, tx, seed, mesh, fsdp, dtype, remat)
     if checkpoint:
         state = restore_state(read_checkpoint(checkpoint)[1], abstract, shardings, checkpoint)
         print(f"resumed {checkpoint}")
@@ -3565,12 +3609,14 @@ class Evaluator:
 #                                 19. Benchmark                                 #
 #################################################################################
 
-# Dense bfloat16 (T4: float16) peak FLOP/s of one JAX device, for model FLOPs utilisation (MFU): a
-# GPU or TPU chip, but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3:
-# 123 TFLOP/s a chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
+# Dense bfloat16 (T4, V100, P100: float16) peak FLOP/s of one JAX device, for model FLOPs
+# utilisation (MFU): a GPU (a MIG slice 3g.20gb: 3 of an A100's 7 compute slices) or TPU chip,
+# but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3: 123 TFLOP/s a
+# chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
 # exact device_kind (v5e's is "TPU v5 lite", v5p's "TPU v5"), GPUs by a part of theirs ("H100").
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12,
-              "T4": 65e12, "TPU v2": 45e12 / 2, "TPU v3": 123e12 / 2, "TPU v4": 275e12,
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "3g.20gb": 312e12 * 3 / 7, "A100": 312e12,
+              "L4": 121e12, "A10G": 125e12, "A40": 150e12, "V100": 125e12, "T4": 65e12,
+              "P100": 21.2e12, "TPU v2": 45e12 / 2, "TPU v3": 123e12 / 2, "TPU v4": 275e12,
               "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
               "TPU v6 lite": 918e12, "TPU v6e": 918e12}
 
@@ -3589,6 +3635,10 @@ def dit_flops(cfg):
     embed = (T * p * p * cfg.in_channels * D + 256 * D + D * D + 2 * D * D
              + T * D * p * p * cfg.out_channels)
     return 2 * (cfg.depth * per_block + embed)
+
+# The hours of the recipes' folder and ImageNet-100 runs at `seconds` a step.
+def hours_of(seconds):
+    return ", ".join(f"{k // 1000}K steps {k * seconds / 3600:,.1f} h" for k in (100_000, 400_000))
 
 def profiled(profile_dir, name):
     """A jax.profiler trace into profile_dir/name, one TensorBoard run; none without profile_dir."""
@@ -3611,6 +3661,10 @@ def bench(config):
     """Speed with random weights: the training step (masked, with each term), the forward pass,
     FID-N end to end."""
     config = checked(config)
+    if config.target:
+        return bench_target(config)
+    if config.grad_accum != 1:
+        raise InputError("bench times the step of one batch; --grad-accum goes with --target")
     if config.profile:
         writable(config.profile, folder=True)
     config = start_devices(config, config.batch_size)
@@ -3657,10 +3711,6 @@ def bench(config):
         return (f"{1000 * seconds:.1f} ms/step | {n / seconds:.1f} images/s | "
                 f"{flops / seconds / 1e12:.2f} TFLOP/s model | MFU {mfu}")
 
-    def hours(seconds):  # of a step -> the hours of the recipes' folder and ImageNet-100 runs
-        return ", ".join(f"{k // 1000}K steps {k * seconds / 3600:,.1f} h"
-                         for k in (100_000, 400_000))
-
     print(f"DiT-{config.size}/{config.patch} "
           f"{config.image_size}x{config.image_size}x{config.channels}, "
           f"global batch {n}, {config.arch}, {config.precision}"
@@ -3683,7 +3733,8 @@ def bench(config):
         print(f"  {term.name}: compile {compile_s:.1f} s | {1000 * term_s:.1f} ms/step | "
               f"{n / term_s:.1f} images/s, {term_s / seconds:.2f}x the step without it")
         figures[f"{term.name}_ms_per_step"] = 1000 * term_s
-    print(f"  hours:   {hours(seconds)}" + (f" | masked: {hours(masked_s)}" if masking else ""))
+    print(f"  hours:   {hours_of(seconds)}"
+          + (f" | masked: {hours_of(masked_s)}" if masking else ""))
     forward = jax.jit(lambda params, x, t, y: nnx.merge(graphdef, params)(x, t, y),
                       in_shardings=(None, batch, batch, batch))
     t = jax.device_put(jnp.linspace(0.0, 1000.0, n), batch)
@@ -3695,6 +3746,162 @@ def bench(config):
         figures["fid_seconds"] = fid_module().bench_fid(config, cfg, objective, graphdef,
                                                         state["params"], mesh, shape)
     return figures
+
+# --- A run compiled for its target ---------------------------------------------
+# `bench --target NAME` compiles a run's programs for a device that this machine lacks, with XLA's
+# compiler for it (jax.experimental.topologies): libtpu's for a TPU slice, jax[cuda12]'s for an
+# NVIDIA GPU that a GpuTargetConfigProto describes. Nothing runs: each program's memory a device is
+# XLA's count, as a run's own check counts it (step_memory), against what a run may use there.
+
+# TPU slices: libtpu's topology, the chips of one host, and on v4 two cores a device ("megacore").
+TPU_TARGETS = {"v3-8": ("v3:2x2", (2, 2, 1)), "v3-16": ("v3:4x2", (2, 2, 1)),
+               "v4-8": ("v4:2x2x1", (2, 2, 1), "megacore"), "v5e-1": ("v5e:1x1", (1, 1, 1)),
+               "v5e-8": ("v5e:2x4", (2, 4, 1)), "v6e-1": ("v6e:1x1", (1, 1, 1)),
+               "v6e-8": ("v6e:2x4", (2, 4, 1))}
+# A TPU device's HBM as XLA's TPU compiler counts it: the "available HBM" of its refusal of a larger
+# program (libtpu 0.0.42.1).
+TPU_HBM = {"TPU v3": 15.48 * 2**30, "TPU v4": 30.75 * 2**30, "TPU v5 lite": 15.75 * 2**30,
+           "TPU v6 lite": 31.25 * 2**30}
+# NVIDIA GPUs, from XLA's descriptions of them (xla/backends/gpu/target_config/specs/*.txtpb), the
+# vendor's figures where XLA has none (A40, T4, the 32 GB V100) and a MIG slice as its share of an
+# A100 40 GB (3 of 7 compute slices, 4 of 8 memory slices): name, compute capability, SMs, FP32
+# units and threads an SM, shared memory an SM and a block's opt-in, L2, GHz, memory, bytes/s.
+GPU_TARGETS = {
+    "h100": ("NVIDIA H100 80GB HBM3", 9.0, 132, 128, 2048, 233472, 232448, 52428800, 1.98,
+             84942979072, 3352320000000),
+    "a100-80gb": ("NVIDIA A100-SXM4-80GB", 8.0, 108, 64, 2048, 167936, 166912, 41943040, 1.41,
+                  85100068864, 2039040000000),
+    "a100-40gb": ("NVIDIA A100-SXM4-40GB", 8.0, 108, 64, 2048, 167936, 166912, 41943040, 1.41,
+                  42331013120, 1555200000000),
+    "a100-3g.20gb": ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 8.0, 42, 64, 2048, 167936, 166912,
+                     20971520, 1.41, 42331013120 // 2, 1555200000000 // 2),
+    "a40": ("NVIDIA A40", 8.6, 84, 128, 1536, 102400, 101376, 6291456, 1.74, 48305799168,
+            695800000000),
+    "v100-32gb": ("Tesla V100-SXM2-32GB", 7.0, 80, 64, 2048, 98304, 98304, 6291456, 1.53,
+                  34089730048, 898048000000),
+    "v100-16gb": ("Tesla V100-SXM2-16GB", 7.0, 80, 64, 2048, 98304, 98304, 6291456, 1.53,
+                  16935682048, 898048000000),
+    "t4": ("Tesla T4", 7.5, 40, 64, 1024, 65536, 65536, 4194304, 1.59, 15843721216, 320064000000),
+    "p100": ("Tesla P100-SXM2-16GB", 6.0, 56, 64, 2048, 65536, 49152, 4194304, 1.4805,
+             17066885120, 732160000000)}
+# The share of the peak at which the hours are estimated: about what DiT-S/2's step reached on an
+# H100 (24.2% MFU, Speed) and ViT-S/16 on a TPU v3-8 (25%, the course's hours).
+ESTIMATE_MFU = 0.25
+
+# XLA's GpuTargetConfigProto of a GPU, as text, with cuDNN 9.10.
+def gpu_target_config(name, capability, sms, fpus, threads, shared, shared_optin, l2, ghz, memory,
+                      bandwidth):
+    major, minor = divmod(round(capability * 10), 10)
+    extension = "ACCELERATED_FEATURES" if major == 9 else "NONE"  # Hopper's wgmma, as sm_90a
+    return f"""gpu_device_info {{
+      threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: {threads}
+      core_count: {sms} fpus_per_core: {fpus} clock_rate_ghz: {ghz}
+      shared_memory_per_block: 49152 shared_memory_per_core: {shared}
+      shared_memory_per_block_optin: {shared_optin} l2_cache_size: {l2}
+      device_memory_size: {memory} memory_bandwidth: {bandwidth}
+      block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+      thread_dim_limit_x: 1024 thread_dim_limit_y: 1024 thread_dim_limit_z: 64
+      registers_per_core_limit: 65536 registers_per_block_limit: 65536
+      cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: {extension} }}
+    }}
+    platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 10 }}
+    device_description_str: "{name}"
+    """
+
+# (the devices of a target slice or GPU, the bytes a run may use of each, how that is set).
+def target_devices(name):
+    import importlib.util
+    from jax.experimental import topologies
+    if name in TPU_TARGETS:
+        if not importlib.util.find_spec("libtpu"):
+            raise InputError(f"--target {name} compiles with XLA's TPU compiler: pip install "
+                             f"\"jax[tpu]=={jax.__version__}\"")
+        topology, host, *chip = TPU_TARGETS[name]
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling needs no TPU to hold
+        devices = topologies.get_topology_desc(
+            platform="tpu", topology_name=topology, chips_per_host_bounds=host,
+            wrap=(False, False, False), **({"chip_config_name": chip[0]} if chip else {})).devices
+        return devices, TPU_HBM[devices[0].device_kind], "XLA's count of a TPU's HBM"
+    if not importlib.util.find_spec("jax_plugins.xla_cuda12"):
+        raise InputError(f"--target {name} compiles with XLA's CUDA compiler: pip install "
+                         f"\"jax[cuda12]=={jax.__version__}\"")
+    gpu = GPU_TARGETS[name]
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    limit = int(fraction * gpu[-2])  # what JAX takes of it: XLA's compiler fits the program to it
+    config = gpu_target_config(*gpu[:-2], limit, gpu[-1])
+    devices = topologies.get_topology_desc(platform="cuda", target_config=config,
+                                           topology="1x1x1").devices
+    source = ("XLA_PYTHON_CLIENT_MEM_FRACTION" if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ
+              else "JAX's default")
+    return devices, limit, f"{fraction:g} of {size_text(gpu[-2])}, {source}"
+
+# One program's memory a device against `limit`, and its FLOPs a device where XLA counts them.
+def compiled_line(name, compile, limit):
+    counted = program_memory(compile)
+    if not counted or sum(counted) > limit:
+        return (f"  {name}: does not fit a device's {size_text(limit)}"
+                + (f" ({size_text(sum(counted))})" if counted else " (XLA's compiler refused it)")
+                + "; try a smaller --batch-size")
+    flops = (compile().cost_analysis() or {}).get("flops")
+    return (f"  {name}: {size_text(sum(counted))} a device, fits"
+            + (f" | {flops:.3g} FLOP a device" if flops else ""))
+
+# bench --target: each program of a run compiled for the target, a line each.
+def bench_target(config):
+    jax.config.update("jax_platforms", "cpu")  # this machine's devices: only to trace on
+    devices, limit, how = target_devices(config.target)
+    token = TARGET_DEVICES.set(devices)
+    try:
+        config = dataclasses.replace(config, precision=config.precision or default_precision())
+        mesh = make_mesh()
+        check_batch_size(config.batch_size, config.grad_accum)
+        cfg = model_config(config, config.image_size, config.channels, 1000)
+        tx, _ = make_optimizer(1e-4)
+        dtype = compute_dtype(config.precision)
+        _, graphdef, abstract, shardings = state_maker(cfg, tx, 0, mesh, config.fsdp, dtype,
+                                                       config.remat)
+        objective = make_objective(config.objective)
+        masking, terms = deferred_masking(config, cfg), auxiliary_terms(config, cfg)
+        batch, n = NamedSharding(mesh, P("data")), config.batch_size
+        shaped = lambda shape, dtype, sharding=batch: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, dtype, sharding=sharding)
+        state = jax.tree.map(lambda a, s: shaped(a.shape, a.dtype, s), abstract, shardings)
+        x = shaped((n, config.image_size, config.image_size, config.channels), jnp.float32)
+        y = shaped((n,), jnp.int32)
+        make_step = functools.partial(jit_train_step, graphdef, objective, tx, 0.9999, False, 0,
+                                      mesh, shardings, masking, terms)
+        compiled = functools.cache(lambda k: make_step(k).lower(state, x, y).compile())
+        device = devices[0]
+        print(f"DiT-{config.size}/{config.patch} {config.image_size}x{config.image_size}x"
+              f"{config.channels}, global batch {n}, {config.arch}, {config.objective}, "
+              f"{config.precision}, attention "
+              f"{attention_implementation(dtype, cfg.hidden_size // cfg.num_heads)}"
+              f"{f', remat {config.remat}' if config.remat else ''}"
+              f"{', fsdp' if config.fsdp else ''}, compiled for {len(devices)} x "
+              f"{device.device_kind} ({config.target}): a run may use {size_text(limit)} a device "
+              f"({how})")
+        need, refusal = step_memory(compiled, config, limit)
+        if refusal:
+            print(f"  train:   {refusal}")
+        else:
+            counted = (compiled(config.grad_accum).cost_analysis() or {}).get("flops")
+            flops = counted or 3 * dit_flops(cfg) * n / len(devices)  # GPUs: XLA counts none
+            source = "XLA's" if counted else "dit_flops'"
+            seconds = flops / (peak_flops(device) * ESTIMATE_MFU)
+            print(f"  train:   {size_text(need)} a device: fits | {flops:.3g} FLOP a device "
+                  f"({source} count) | at "
+                  f"{ESTIMATE_MFU:.0%} of {device.device_kind}'s peak (an estimate): "
+                  f"{1000 * seconds:.0f} ms a step, {hours_of(seconds)}")
+        sampler = Sampler(graphdef, objective, mesh, steps=objective.default_steps,
+                          method=objective.default_method, cfg_scale=FID_CFG_SCALE)
+        key = shaped((), jax.eval_shape(lambda: jax.random.key(0)).dtype, NamedSharding(mesh, P()))
+        params = state["params"]
+        print(compiled_line(f"sample:  {objective.default_method}, {objective.default_steps} "
+                            f"steps, guidance {FID_CFG_SCALE}, batch {n}",
+                            functools.cache(sampler.run.lower(params, None, x, y, key).compile),
+                            limit))
+    finally:
+        TARGET_DEVICES.reset(token)
 
 #################################################################################
 #                                  20. Reports                                  #
@@ -4344,6 +4551,11 @@ class BenchConfig(ModelOptions):
     profile: str | None = option(None, "write jax.profiler traces of the timed steps to DIR/train, "
                                  "DIR/forward and DIR/fid (TensorBoard or Perfetto opens them)",
                                  metavar="DIR")
+    grad_accum: int = option(1, "with --target: the step's batch in K micro-batches",
+                             type=positive_int, metavar="K")
+    target: str | None = option(None, "compile each program for this TPU slice or GPU, which the "
+                                "machine need not have, and print its memory a device and FLOPs; "
+                                "nothing runs", choices=[*TPU_TARGETS, *GPU_TARGETS])
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportConfig:

@@ -7008,3 +7008,99 @@ def test_sample_scores_the_runs_guidance_sweep(tmp_path, straight_run, monkeypat
     for extra in (["--cfg-scale", "2"], ["--guide", guide, "--guide-scale", "2"]):
         with pytest.raises(dit.InputError, match="--guidance-sweep samples its own settings"):
             dit.main(common + ["--guidance-sweep", *extra])
+
+# ------------------- bench --target: compiled for a device the machine lacks -------------------
+# With XLA's TPU compiler (libtpu, jax[tpu]) and its CUDA compiler (jax[cuda12]), which .ci/run
+# installs: these tests compile for a TPU v3-8 and NVIDIA GPUs on the CPU, and never skip.
+
+def bench_target(capsys, target, *options):
+    """The lines that `bench --target` prints."""
+    dit.main(["bench", "--target", target, *options])
+    return capsys.readouterr().out.splitlines()
+
+TINY_RUN = ["--size", "XXS", "--patch", "4", "--image-size", "8"]
+
+def test_target_v3_8_compiles_a_tiny_run(capsys):
+    """A TPU v3-8: 8 cores, bfloat16, XLA's attention; the training step's FLOPs a core as XLA
+    counts them, beside dit_flops' count of the model's products (AdamW's and the EMA's update of
+    the 2M parameters, on every core, add about half again at this size), and the guided
+    sampler."""
+    head, train, sample = bench_target(capsys, "v3-8", *TINY_RUN, "--batch-size", "16")
+    assert "bf16, attention xla, compiled for 8 x TPU v3 (v3-8): a run may use 15.48 GiB" in head
+    fields = re.fullmatch(r"  train:   ([\d.]+) MiB a device: fits \| ([\d.e+]+) FLOP a device "
+                          r"\(XLA's count\) \| "
+                          r"at 25% of TPU v3's peak \(an estimate\): \d+ ms a step, .*", train)
+    assert fields, train
+    cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=4, hidden_size=128, depth=6,
+                        num_heads=4, num_classes=1000)
+    assert 0 < float(fields[1]) < 1024
+    assert 1.0 < float(fields[2]) / (3 * dit.dit_flops(cfg) * 16 / 8) < 2.0
+    assert re.fullmatch(r"  sample:  heun, 25 steps, guidance 1.5, batch 16: [\d.]+ MiB a device, "
+                        r"fits \| .* FLOP a device", sample), sample
+
+def test_target_tpu_refusal_is_one_line_with_what_fits(capsys):
+    """A batch whose training step XLA's TPU compiler refuses (more than a v3 core's HBM): one line,
+    with the micro-batches that the compiler then accepts."""
+    _, train, _ = bench_target(capsys, "v3-8", "--size", "XXS", "--patch", "2", "--batch-size",
+                               "32768")
+    assert re.fullmatch(r"  train:   the training step needs more than a device's 15.48 GiB "
+                        r"\(XLA's compiler refused it at 4096 samples a device at a time\); try "
+                        r"--grad-accum \d+ \(about [\d.]+ GiB\), --remat, a smaller --batch-size",
+                        train), train
+
+def test_target_gpu_traces_its_attention_and_precision():
+    """A GPU target's trace takes what that GPU runs: cuDNN's attention and bfloat16 from Ampere
+    on, XLA's and float16 before; the machine's own devices otherwise."""
+    for name, attention, precision in [("a100-3g.20gb", "cudnn", "bf16"),
+                                       ("h100", "cudnn", "bf16"), ("v100-16gb", "xla", "fp16"),
+                                       ("t4", "xla", "fp16")]:
+        devices, limit, _ = dit.target_devices(name)
+        token = dit.TARGET_DEVICES.set(devices)
+        try:
+            assert dit.attention_implementation(jnp.bfloat16, 64) == attention
+            assert dit.default_precision() == precision
+        finally:
+            dit.TARGET_DEVICES.reset(token)
+        assert limit == int(0.75 * dit.GPU_TARGETS[name][-2])
+    assert dit.run_devices() == jax.devices()
+    assert dit.attention_implementation(jnp.bfloat16, 64) == "xla"
+
+@slow  # XLA's CUDA compiler takes minutes even for this model, on 2 cores
+def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
+    """A MIG slice of an A100: one device, cuDNN's attention, what a run may use of it as
+    XLA_PYTHON_CLIENT_MEM_FRACTION sets it; XLA's CUDA compiler counts no FLOPs."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    head, train, sample = bench_target(capsys, "a100-3g.20gb", *TINY_RUN, "--batch-size", "16")
+    memory = dit.size_text(int(0.9 * dit.GPU_TARGETS["a100-3g.20gb"][-2]))
+    assert head.endswith(f"bf16, attention cudnn, compiled for 1 x NVIDIA A100-SXM4-40GB MIG "
+                         f"3g.20gb (a100-3g.20gb): a run may use {memory} a device (0.9 of 19.71 "
+                         f"GiB, XLA_PYTHON_CLIENT_MEM_FRACTION)"), head
+    assert re.fullmatch(r"  train:   [\d.]+ MiB a device: fits \| [\d.e+]+ FLOP a device "
+                        r"\(dit_flops' count\) \| at 25% of NVIDIA A100-SXM4-40GB MIG 3g.20gb's "
+                        r"peak \(an estimate\): .*", train), train
+    assert re.fullmatch(r"  sample:  .*: [\d.]+ MiB a device, fits", sample), sample
+
+def test_target_without_its_compiler_says_what_to_install(monkeypatch):
+    """jax[tpu] and jax[cuda12] are optional: without the one a target needs, one line."""
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for target, extra in [("v3-8", "tpu"), ("a100-80gb", "cuda12")]:
+        with pytest.raises(dit.InputError, match=re.escape(
+                f'pip install "jax[{extra}]=={jax.__version__}"')):
+            dit.main(["bench", "--target", target, *TINY_RUN])
+
+@slow
+def test_target_v3_8_course_run(capsys):
+    """The course's step on a TPU v3-8: DiT-S/2 at batch 256, 32 a core, as it compiles there."""
+    head, train, sample = bench_target(capsys, "v3-8", "--size", "S", "--patch", "2",
+                                       "--batch-size", "256")
+    fields = re.fullmatch(r"  train:   ([\d.]+) GiB a device: fits \| ([\d.e+]+) FLOP a device "
+                          r"\(XLA's count\) .*",
+                          train)
+    assert fields, train
+    # more than the state that each core holds whole (parameters, EMA, AdamW's two moments in
+    # float32), less than a core's HBM; XLA's FLOPs within a few percent of the model's products
+    assert 4 * 33e6 * 4 / 2**30 < float(fields[1]) < 15.48
+    cfg = dit.DiTConfig(input_size=32, patch_size=2, in_channels=4, **dit.DIT_SIZES["S"])
+    assert 1.0 < float(fields[2]) / (3 * dit.dit_flops(cfg) * 256 / 8) < 1.05
+    assert re.fullmatch(r"  sample:  .*: [\d.]+ MiB a device, fits \| .*", sample), sample
