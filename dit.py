@@ -3417,9 +3417,8 @@ def fid_record(scores):
     rest = {k: v for k, v in scores.items() if np.ndim(v) == 0 and k not in ("count", "protocol")}
     return {"fid_samples": scores["count"], "fid_protocol": scores["protocol"], **rest}
 
+# A guidance setting (guide: (path or None, weight)) as a row names it, and as a file name ends.
 def guidance_names(scale, interval, guide, internal=1.0):
-    """A guidance setting (guide: (path or None, weight)) as a row names it, and as a file name
-    ends."""
     path, w = guide
     text = f"guidance {scale:g}" + (f" in [{interval[0]:g}, {interval[1]:g}]" if interval else "")
     suffix = f"_cfg{scale:g}" + (f"_{interval[0]:g}-{interval[1]:g}" if interval else "")
@@ -3431,24 +3430,24 @@ def guidance_names(scale, interval, guide, internal=1.0):
         text, suffix = text + f", internal guidance {internal:g}", suffix + f"_ig{internal:g}"
     return text, suffix
 
+# metrics.jsonl's fields of a guidance setting, by which `report` draws FID.
 def guidance_record(scale, interval, guide, internal=1.0, guide_step=None, channels="all"):
-    """metrics.jsonl's fields of a guidance setting, by which `report` draws FID."""
     return {"cfg_scale": scale, "guidance_interval": interval, "guidance_channels": channels,
             "guide": guide[0], "guide_step": guide_step, "guide_scale": guide[1],
             "internal_scale": internal}
 
+# The run's kept EMA (RUN/ema/) before `step` nearest half of it, the guide that guided best on
+# CIFAR-10 (README, Guidance); None where none is kept.
 def kept_guide(run_dir, step):
-    """The run's kept EMA (RUN/ema/) before `step` nearest half of it, the guide that guided best
-    on CIFAR-10 (README, Guidance); None where none is kept."""
     folder = os.path.join(run_dir, "ema")
     kept = sorted(int(name[5:12]) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
                   if re.fullmatch(r"step_\d{7}\.safetensors", name) and int(name[5:12]) < step)
     nearest = min(kept, key=lambda k: abs(k - step / 2), default=None)
     return nearest and os.path.join(folder, f"step_{nearest:07d}.safetensors")
 
+# FID_SWEEP's settings that the model takes, as (scale, interval, (guide, weight), internal): CFG
+# where it has a null label, autoguidance where `guide` (a kept EMA's path) is.
 def swept_settings(cfg, guide):
-    """FID_SWEEP's settings that the model takes, as (scale, interval, (guide, weight), internal):
-    CFG where it has a null label, autoguidance where `guide` (a kept EMA's path) is."""
     guided = bool(cfg.num_classes and cfg.class_dropout_prob)
     return [(scale, interval, (guide, w) if w != 1 else (None, 1.0), 1.0)
             for scale, interval, w in FID_SWEEP if (scale == 1 or guided) and (w == 1 or guide)]
@@ -3563,8 +3562,8 @@ class Evaluator:
             self.fid(params, step, config.fid_samples, log)
 
     def fid(self, params, step, n, log):
-        """Print and log FID-N and the other scores of n samples, at the guidance that the options
-        fix, or else at the best of a sweep's (each setting and its scores logged), or why none."""
+        """Print and log FID-N and the other scores of n samples, at the fixed or swept guidance,
+        or why none."""
         if not self.has_ref:
             print(f"FID skipped: no reference statistics{f' at {self.ref}' if self.ref else ''}; "
                   f"pass --fid-ref (`python fid.py ref IMAGES ref.npz` makes one)")
@@ -3581,10 +3580,10 @@ class Evaluator:
         log.write({"step": step, **fid_record(scores), **chosen})
         print(f"step {step}: {describe(scores)}" + (f", at {chosen['guidance']}" if chosen else ""))
 
+    # (sampler, its setting's text): the setting of swept_settings with the lowest FID on
+    # n // len(settings) samples each (together at most n), from the same noise, apart from the
+    # final FID's so that its figure is not chosen on its own samples.
     def sweep(self, score, step, n, log):
-        """(sampler, its setting's text): the setting of swept_settings with the lowest FID on
-        n // len(settings) samples each (together at most n), from the same noise, apart from the
-        final FID's so that its figure is not chosen on its own samples."""
         path = kept_guide(self.config.run_dir, step)
         with on_every_host():
             guide, meta = self.load_guide(path) if path else (None, {})

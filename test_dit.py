@@ -8,7 +8,7 @@ else from fixtures/. They take every shape, class count, timestep and configurat
 reference files, so that reference files made the same way for another configuration test the same
 things. Tests on real images read $DIT_DATA when it is set, else the few real images in
 fixtures/data/. A missing file fails its test.
-Run: python -m pytest -q test_dit.py
+Run: python -m pytest -q test_dit.py -n 2 --dist loadgroup (README, Tests)
 """
 import argparse
 import ast
