@@ -1459,11 +1459,14 @@ def test_internal_guidance_extrapolates_from_the_internal_head():
     model = lever_model(depth=2, sra_head=False)
     noise = jax.random.normal(jax.random.key(0), (3, 8, 8, 3))
     y, t = jnp.array([0, 1, 2]), jnp.full(3, 1000.0)
+    # Compiled with LLVM's optimisations: without them, newer XLA rounds the two paths apart by more
+    # than the tolerance below at these outputs.
+    optimised = {"xla_backend_optimization_level": 3}
     step = jax.jit(functools.partial(dit.sample, model, dit.RectifiedFlow(), noise, y, None,
                                      steps=1, method="euler"),
-                   static_argnames=("cfg_scale", "internal_scale"))
+                   static_argnames=("cfg_scale", "internal_scale"), compiler_options=optimised)
     np.testing.assert_array_equal(step(internal_scale=1.0), step())
-    forward = jax.jit(lambda x, t, y: model.forward(x, t, y))
+    forward = jax.jit(lambda x, t, y: model.forward(x, t, y), compiler_options=optimised)
     final, hidden = forward(noise, t, y)
     inner = hidden["internal"]
     # rounding, at outputs of up to 40 from these random weights
