@@ -858,11 +858,11 @@ def recompute_call(method, module, *args, remat):
     pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
     return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
 
-# The devices that programs are traced for: the machine's, or where `bench --target` compiles for
-# a device that the machine lacks, that device's (section 19), so that a trace picks its attention.
+# The devices that programs are traced and compiled for (run_devices): the machine's, or where
+# `bench --target` compiles for a device that the machine lacks, that device's (section 19), so
+# that a trace picks the attention and precision that the device runs.
 TARGET_DEVICES = contextvars.ContextVar("TARGET_DEVICES", default=None)
 
-# The devices that programs are traced and compiled for: a --target's, else jax.devices().
 def run_devices():
     return TARGET_DEVICES.get() or jax.devices()
 
