@@ -735,15 +735,18 @@ class InceptionFeatures:
                                  f"{', '.join(PROTOCOLS)}")
         self.mesh = jax.make_mesh((jax.device_count(),), ("batch",))
         self.per_device = batch_size
+        self.fc_bias = np.asarray(inception.fc.bias[...])
         graphdef, state = nnx.split(inception)
-        # weights replicated on every device
+        # The weights replicated on every device, and kept so in the module: the next evaluation
+        # with it (a guidance sweep's) finds them in place. Placing them anew would send them
+        # again and, under jax.distributed, compare all 95 MB of them across the processes.
         self.state = jax.device_put(state, NamedSharding(self.mesh, P()))
+        nnx.update(inception, self.state)
         # (state, images) -> (pool, logits, spatial)
         self.forward = functools.partial(_inception_forward, graphdef, protocol)
         self.protocol = protocol
         self.stats, self.spatial_stats = FeatureStats(2048), FeatureStats(SPATIAL_DIM)
         self.pool, self.logits = [], []  # this process's (n, 2048) and (n, 1008) blocks
-        self.fc_bias = np.asarray(inception.fc.bias[...])
         self.image_shape = None
         self.progress = progress and jax.process_index() == 0
 
