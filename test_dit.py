@@ -8,7 +8,7 @@ else from fixtures/. They take every shape, class count, timestep and configurat
 reference files, so that reference files made the same way for another configuration test the same
 things. Tests on real images read $DIT_DATA when it is set, else the few real images in
 fixtures/data/. A missing file fails its test.
-Run: python -m pytest -q test_dit.py -n 2 --dist loadgroup (README, Tests)
+Run: python -m pytest -q test_dit.py -n 3 --dist loadgroup (README, Tests)
 """
 import argparse
 import ast
@@ -78,9 +78,10 @@ from random_inception import random_inception_weights  # noqa: E402  (the refere
 # loop. The mark is not registered (the project has no conftest.py), so pytest's warning is quiet.
 warnings.filterwarnings("ignore", "Unknown pytest.mark.slow")
 slow = pytest.mark.slow
-# The README's command runs the tests in two processes (pytest-xdist's `-n 2 --dist loadgroup`):
-# most of a test's time is XLA's compiler on one core, or a process it waits on. The SLURM tests
-# share one worker, so that their jobs do not wait in the one node's queue behind each other's.
+# The README's command runs the tests in three processes (pytest-xdist's `-n 3 --dist loadgroup`)
+# on two cores: most of a test's time is XLA's compiler on one core, or a process it waits on (the
+# SLURM tests' jobs, the third process's time). The SLURM tests share one worker, so that their
+# jobs do not wait in the one node's queue behind each other's.
 warnings.filterwarnings("ignore", "Unknown pytest.mark.xdist_group")
 one_slurm = pytest.mark.xdist_group("slurm")
 
