@@ -2479,14 +2479,28 @@ def compute_dtype(precision):
     return {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision]
 
 def default_precision(device=None):
-    """bf16 on TPUs and NVIDIA GPUs from Ampere on, fp16 (loss-scaled) on older ones, fp32 on
-    CPUs."""
+    """bf16 on TPUs and NVIDIA GPUs from Ampere on, fp16 (loss-scaled) on Volta and Turing, fp32
+    on CPUs and older GPUs."""
     device = device or run_devices()[0]
-    if device.platform == "cpu":
+    if device.platform == "cpu" or not fp16_products(device):
         return "fp32"
     if device.platform == "gpu" and compute_capability(device) < 8.0:
         return "fp16"
     return "bf16"
+
+# Whether XLA has float16 products with float32 sums on `device`: its GPU compiler has none before
+# Volta (a P100: "Unsupported algorithm ALG_DOT_F16_F16_F32", in attention's logits).
+def fp16_products(device):
+    return device.platform != "gpu" or compute_capability(device) >= 7.0
+
+# `config` with its precision: the device's default where none is given; fp16 where it compiles.
+def with_precision(config):
+    device = run_devices()[0]
+    if config.precision == "fp16" and not fp16_products(device):
+        raise InputError(f"--precision fp16: XLA has no float16 products with float32 sums on a "
+                         f"{device.device_kind} (compute capability "
+                         f"{compute_capability(device):g}); use fp32")
+    return dataclasses.replace(config, precision=config.precision or default_precision(device))
 
 # What the loop adds to section 6's training step: float16 loss scaling, gradient accumulation,
 # the loss by noise level.
@@ -3291,6 +3305,24 @@ def load_decoder(source, channels, dtype):
                          f"the model's {channels}; pass the VAE that encoded the training data")
     return vae
 
+# (VAE weights, samples (B, h, w, C)) -> uint8 images (B, H, W, 3), jitted; pixels without a VAE.
+# Samples are decoded and made uint8 on the device too: only bytes travel to the host.
+def decoder(mesh, vae_graphdef, latent_scale):
+    batch = NamedSharding(mesh, P("data"))
+
+    def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
+        vae = nnx.merge(vae_graphdef, vae_params)
+        one = lambda z: vae.decode(z[None])[0]  # noqa: E731  (h, w, C) -> (H, W, 3)
+        return jax.lax.map(one, z, batch_size=DECODE_CHUNK)
+
+    def finish(vae_params, x):
+        if vae_params is not None:
+            x = jax.shard_map(decode, mesh=mesh, in_specs=(P(), P("data")),
+                              out_specs=P("data"))(vae_params, x / latent_scale)
+        return to_uint8(x)
+
+    return jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
+
 class Sampler:
     """uint8 samples from weights over the mesh, jitted once; latents decoded DECODE_CHUNK per
     device at a time."""
@@ -3310,22 +3342,9 @@ class Sampler:
                           **options)
 
         self.run = jax.jit(run, in_shardings=(None, None, batch, batch, None))
-        # Samples are decoded and made uint8 on the device too: only bytes travel to the host.
         vae_graphdef, vae_params = nnx.split(vae) if vae is not None else (None, None)
         self.vae_params = jax.device_put(vae_params, NamedSharding(mesh, P()))
-
-        def decode(vae_params, z):  # (b, h, w, C): this device's share of the batch
-            vae = nnx.merge(vae_graphdef, vae_params)
-            one = lambda z: vae.decode(z[None])[0]  # noqa: E731  (h, w, C) -> (H, W, 3)
-            return jax.lax.map(one, z, batch_size=DECODE_CHUNK)
-
-        def finish(vae_params, x):
-            if vae_params is not None:
-                x = jax.shard_map(decode, mesh=mesh, in_specs=(P(), P("data")),
-                                  out_specs=P("data"))(vae_params, x / latent_scale)
-            return to_uint8(x)
-
-        self.finish = jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
+        self.finish = decoder(mesh, vae_graphdef, latent_scale)
         self.seconds = {"sample": 0.0, "decode": 0.0, "Inception": 0.0}  # sample_and_score's
 
     def images(self, x):
@@ -3608,16 +3627,17 @@ class Evaluator:
 #                                 19. Benchmark                                 #
 #################################################################################
 
-# Dense bfloat16 (T4, V100, P100: float16) peak FLOP/s of one JAX device, for model FLOPs
-# utilisation (MFU): a GPU (a MIG slice 3g.20gb: 3 of an A100's 7 compute slices) or TPU chip,
-# but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3: 123 TFLOP/s a
-# chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
-# exact device_kind (v5e's is "TPU v5 lite", v5p's "TPU v5"), GPUs by a part of theirs ("H100").
+# Dense bfloat16 (T4, V100: float16; P100: float32, as it runs) peak FLOP/s of one JAX device,
+# for model FLOPs utilisation (MFU): a GPU (a MIG slice 3g.20gb: 3 of an A100's 7 compute slices)
+# or TPU chip, but a TPU v2 or v3 chip's two cores are two devices with half its peak each (v3: 123
+# TFLOP/s a chip); a v4 or v5p chip's two are one ("megacore"); v5e and v6e have one. TPUs go by
+# exact device_kind (v5e's is "TPU v5 lite", v5p's "TPU v5"), GPUs by the first part of theirs
+# found ("H100"; Kaggle's "P100-PCIE" before the SXM2 P100's).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "3g.20gb": 312e12 * 3 / 7, "A100": 312e12,
               "L4": 121e12, "A10G": 125e12, "A40": 150e12, "V100": 125e12, "T4": 65e12,
-              "P100": 21.2e12, "TPU v2": 45e12 / 2, "TPU v3": 123e12 / 2, "TPU v4": 275e12,
-              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v5p": 459e12,
-              "TPU v6 lite": 918e12, "TPU v6e": 918e12}
+              "P100-PCIE": 9.3e12, "P100": 10.6e12, "TPU v2": 45e12 / 2, "TPU v3": 123e12 / 2,
+              "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12,
+              "TPU v5p": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12}
 
 def peak_flops(device):
     """PEAK_FLOPS of one JAX device like `device`, or None where unknown (a CPU)."""
@@ -3834,6 +3854,12 @@ def target_devices(name):
               else "JAX's default")
     return devices, limit, f"{fraction:g} of {size_text(gpu[-2])}, {source}"
 
+# A compiled program's FLOPs a device as XLA counts them; None where it counts none (GPUs) or where
+# the program loops (a sampler's steps, micro-batches), whose body XLA counts once.
+def xla_flops(compiled):
+    flops = (compiled.cost_analysis() or {}).get("flops")
+    return None if "while(" in compiled.as_text() else flops
+
 # One program's memory a device against `limit`, and its FLOPs a device where XLA counts them.
 def compiled_line(name, compile, limit):
     counted = program_memory(compile)
@@ -3841,7 +3867,7 @@ def compiled_line(name, compile, limit):
         return (f"  {name}: does not fit a device's {size_text(limit)}"
                 + (f" ({size_text(sum(counted))})" if counted else " (XLA's compiler refused it)")
                 + "; try a smaller --batch-size")
-    flops = (compile().cost_analysis() or {}).get("flops")
+    flops = xla_flops(compile())
     return (f"  {name}: {size_text(sum(counted))} a device, fits"
             + (f" | {flops:.3g} FLOP a device" if flops else ""))
 
@@ -3851,7 +3877,7 @@ def bench_target(config):
     devices, limit, how = target_devices(config.target)
     token = TARGET_DEVICES.set(devices)
     try:
-        config = dataclasses.replace(config, precision=config.precision or default_precision())
+        config = with_precision(config)
         mesh = make_mesh()
         check_batch_size(config.batch_size, config.grad_accum)
         cfg = model_config(config, config.image_size, config.channels, 1000)
@@ -3883,8 +3909,8 @@ def bench_target(config):
         if refusal:
             print(f"  train:   {refusal}")
         else:
-            counted = (compiled(config.grad_accum).cost_analysis() or {}).get("flops")
-            flops = counted or 3 * dit_flops(cfg) * n / len(devices)  # GPUs: XLA counts none
+            counted = xla_flops(compiled(config.grad_accum))
+            flops = counted or 3 * dit_flops(cfg) * n / len(devices)
             source = "XLA's" if counted else "dit_flops'"
             seconds = flops / (peak_flops(device) * ESTIMATE_MFU)
             print(f"  train:   {size_text(need)} a device: fits | {flops:.3g} FLOP a device "
@@ -3899,8 +3925,55 @@ def bench_target(config):
                             f"steps, guidance {FID_CFG_SCALE}, batch {n}",
                             functools.cache(sampler.run.lower(params, None, x, y, key).compile),
                             limit))
+        bench_target_images(config, mesh, shaped, x, limit)
     finally:
         TARGET_DEVICES.reset(token)
+
+# bench --target's programs around the model, each with its own batch: the SD VAE's decoder of the
+# sampling batch (latents), the FID's Inception at evaluate's batch, and prepare_imagenet100.py's
+# encoder at its batch of one host (its devices only: every host encodes on its own).
+def bench_target_images(config, mesh, shaped, x, limit):
+    fid, vae_cfg = fid_module(), VAEConfig()
+
+    def abstract(build, mesh=mesh):  # (graphdef, the state's shapes, replicated over mesh)
+        graphdef, state = nnx.split(nnx.eval_shape(build))
+        replicated = NamedSharding(mesh, P())
+        return graphdef, jax.tree.map(lambda a: shaped(a.shape, a.dtype, replicated), state)
+
+    side = config.image_size
+    if config.channels == vae_cfg.latent_channels:
+        side *= 2 ** (len(vae_cfg.block_out_channels) - 1)
+        vae = abstract(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(config.precision),
+                                             rngs=nnx.Rngs(0)))
+        finish = decoder(mesh, vae[0], vae_cfg.scaling_factor)
+        print(compiled_line(f"decode:  SD VAE, {side}x{side} images, batch {len(x)} "
+                            f"({min(DECODE_CHUNK, len(x) // mesh.size)} a device at a time)",
+                            functools.cache(finish.lower(vae[1], x).compile), limit))
+    graphdef, state = abstract(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
+    n = fid.DEVICE_BATCH * mesh.size  # evaluate's batch
+    images = shaped((n, side, side, 3), jnp.uint8)
+    forward = fid._inception_forward.lower(graphdef, fid.DEFAULT_PROTOCOL, state, images)
+    print(compiled_line(f"FID:     Inception ({fid.DEFAULT_PROTOCOL}), batch {n}",
+                        functools.cache(forward.compile), limit))
+    if config.channels != vae_cfg.latent_channels:
+        return
+    try:
+        import prepare_imagenet100 as prepare
+    except ModuleNotFoundError as e:
+        if e.name != "prepare_imagenet100":
+            raise
+        return print("  encode:  prepare_imagenet100.py is not beside dit.py")
+    devices = [d for d in mesh.devices.flat if d.process_index == 0]  # one host's
+    data = NamedSharding(jax.sharding.Mesh(np.array(devices), ("data",)), P("data"))
+    n = prepare.DEVICE_BATCH * len(devices)
+    encode = functools.partial(prepare.encode_with_flip,
+                               precision=prepare.default_vae_precision(devices[0]))
+    vae = abstract(lambda: AutoencoderKL(vae_cfg, rngs=nnx.Rngs(0)), data.mesh)  # float32
+    program = prepare.sharded_program(vae[0], encode, data).lower(
+        vae[1], shaped((n, side, side, 3), jnp.uint8, data))
+    print(compiled_line(f"encode:  SD VAE, prepare_imagenet100.py's, {side}x{side} images with "
+                        f"their flips, batch {n} of a host", functools.cache(program.compile),
+                        limit))
 
 #################################################################################
 #                                  20. Reports                                  #
@@ -4676,7 +4749,7 @@ def start_devices(config, batch_size):
     if isinstance(config, HostOptions):
         setup_distributed(config)  # before anything else starts jax's backend
     split_cpu(batch_size)
-    return dataclasses.replace(config, precision=config.precision or default_precision())
+    return with_precision(config)
 
 def recipes_table():
     """RECIPES as the text that --help shows."""

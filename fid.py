@@ -112,6 +112,7 @@ def resize_bilinear(x, height, width, half_pixel=True):
 # FID, sFID, Precision and Recall are computed the same way in both.
 PROTOCOLS = ("adm", "pytorch-fid")
 DEFAULT_PROTOCOL = "adm"
+DEVICE_BATCH = 128  # images a device feeds the Inception at a time, by default
 SPATIAL_CHANNELS = 7  # of mixed_6/conv, the sFID features
 SPATIAL_DIM = 17 * 17 * SPATIAL_CHANNELS
 
@@ -729,7 +730,8 @@ class InceptionFeatures:
     processes.
     """
 
-    def __init__(self, inception, batch_size=128, progress=True, protocol=DEFAULT_PROTOCOL):
+    def __init__(self, inception, batch_size=DEVICE_BATCH, progress=True,
+                 protocol=DEFAULT_PROTOCOL):
         if protocol not in PROTOCOLS:
             raise dit.InputError(f"unknown protocol {protocol!r}; expected one of "
                                  f"{', '.join(PROTOCOLS)}")
@@ -913,7 +915,8 @@ def load_images(source, count=None, data_dir=None):
                 f"(x * 255).round().clip(0, 255).astype(np.uint8)")
     return images[evenly_spaced(len(images), count)] if count else images
 
-def image_statistics(images, inception, batch_size=128, progress=True, protocol=DEFAULT_PROTOCOL):
+def image_statistics(images, inception, batch_size=DEVICE_BATCH, progress=True,
+                     protocol=DEFAULT_PROTOCOL):
     """InceptionFeatures.result() of a sequence of uint8 images (an array or an ImageFolder).
 
     Under `jax.distributed` each process reads every process_count-th image, so together they cover
@@ -976,7 +979,8 @@ def describe(result):
                for key, label, spec in names if result[key] is not None]
     return ", ".join(figures) or f"no figures of {result['count']} images ({result['protocol']})"
 
-def evaluate(images, ref=None, inception=None, batch_size=128, progress=True, protocol=None):
+def evaluate(images, ref=None, inception=None, batch_size=DEVICE_BATCH, progress=True,
+             protocol=None):
     """The five numbers (scores()) of uint8 images (N, H, W, 3) against a reference, with the
     statistics ("mu", "sigma", "mu_s", "sigma_s") and pool features ("pool") of the images.
 
@@ -1120,7 +1124,7 @@ def main(argv=None):
     for command in (stats, reference, distance, score):
         command.add_argument("--weights", help=f"pytorch-fid's {FID_WEIGHTS_NAME} (default: cache, "
                              f"else download)")
-        command.add_argument("--batch-size", type=dit.positive_int, default=128,
+        command.add_argument("--batch-size", type=dit.positive_int, default=DEVICE_BATCH,
                              help="images per device per step")
         command.add_argument("--images", type=dit.positive_int, metavar="N",
                              help="use N of each source's images, evenly spaced (default: all)")

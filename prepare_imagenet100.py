@@ -136,13 +136,19 @@ def collect(c, futures, size):
 #                         Sharded encoding and features                         #
 #################################################################################
 
+DEVICE_BATCH = 32  # images a device encodes at a time, where --batch-size is not given
+
+def sharded_program(graphdef, fn, data):
+    """fn(model, images) of the model's state and images with the `data` sharding, jitted (dit.py's
+    `bench --target` compiles it for a device that the machine lacks)."""
+    return jax.jit(lambda state, x: fn(nnx.merge(graphdef, state), x), out_shardings=data)
+
 def sharded_apply(model, fn, batch_shape, data):
     """Compile fn(model, images) now for uint8 images of batch_shape with the `data` sharding, the
     model replicated over its mesh. Returns run(images on the devices) -> device array."""
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, NamedSharding(data.mesh, PartitionSpec()))
-    compiled = jax.jit(lambda state, x: fn(nnx.merge(graphdef, state), x),
-                       out_shardings=data).lower(
+    compiled = sharded_program(graphdef, fn, data).lower(
         state, jax.ShapeDtypeStruct(batch_shape, np.uint8, sharding=data)).compile()
     return functools.partial(compiled, state)
 
@@ -227,7 +233,7 @@ def default_vae_precision(device):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.batch_size = args.batch_size or 32 * jax.local_device_count()
+    args.batch_size = args.batch_size or DEVICE_BATCH * jax.local_device_count()
     args.precision = args.precision or default_vae_precision(jax.local_devices()[0])
     src, out = (os.path.abspath(args.src),
                 os.path.join(args.out, "val") if args.split == "val" else args.out)

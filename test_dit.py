@@ -2731,16 +2731,17 @@ def test_a_step_that_does_not_fit_the_device_ends_in_one_line_with_what_fits(
     assert dit.main(args(k)).step == 1
 
 def test_default_precision_per_device():
-    """bf16 where the device computes it natively, fp16 on NVIDIA GPUs before Ampere, fp32 on
-    CPUs."""
+    """bf16 where the device computes it natively, fp16 on NVIDIA's Volta and Turing, fp32 on CPUs
+    and older GPUs (XLA has no float16 products with float32 sums there)."""
     device = lambda platform, capability=None: types.SimpleNamespace(  # noqa: E731
         platform=platform, compute_capability=capability)
     assert dit.default_precision(device("cpu")) == "fp32"
     assert dit.default_precision(device("tpu")) == "bf16"
     for capability, name in [("9.0", "H100"), ("8.0", "A100"), ("8.9", "L4")]:
         assert dit.default_precision(device("gpu", capability)) == "bf16", name
-    for capability, name in [("7.5", "T4"), ("7.0", "V100"), ("6.0", "P100")]:
+    for capability, name in [("7.5", "T4"), ("7.0", "V100")]:
         assert dit.default_precision(device("gpu", capability)) == "fp16", name
+    assert dit.default_precision(device("gpu", "6.0")) == "fp32"  # a P100
 
 # split_cpu in a fresh process, on a machine of `cores` cores; prints the devices JAX then has.
 SPLIT_CPU = """
@@ -7038,31 +7039,16 @@ def bench_target(capsys, target, *options):
 
 TINY_RUN = ["--size", "XXS", "--patch", "4", "--image-size", "8"]
 
-@slow
-def test_target_v3_8_compiles_a_tiny_run(capsys):
-    """A TPU v3-8: 8 cores, bfloat16, XLA's attention; the training step's FLOPs a core as XLA
-    counts them, beside dit_flops' count of the model's products (AdamW's and the EMA's update of
-    the 2M parameters, on every core, add about half again at this size), and the guided
-    sampler."""
-    head, train, sample = bench_target(capsys, "v3-8", *TINY_RUN, "--batch-size", "16")
-    assert "bf16, attention xla, compiled for 8 x TPU v3 (v3-8): a run may use 15.48 GiB" in head
-    fields = re.fullmatch(r"  train:   ([\d.]+) MiB a device: fits \| ([\d.e+]+) FLOP a device "
-                          r"\(XLA's count\) \| "
-                          r"at 25% of TPU v3's peak \(an estimate\): \d+ ms a step, .*", train)
-    assert fields, train
-    cfg = dit.DiTConfig(input_size=8, patch_size=4, in_channels=4, hidden_size=128, depth=6,
-                        num_heads=4, num_classes=1000)
-    assert 0 < float(fields[1]) < 1024
-    assert 1.0 < float(fields[2]) / (3 * dit.dit_flops(cfg) * 16 / 8) < 2.0
-    assert re.fullmatch(r"  sample:  heun, 25 steps, guidance 1.5, batch 16: [\d.]+ MiB a device, "
-                        r"fits \| .* FLOP a device", sample), sample
-
 @slow  # XLA's TPU compiler: 50 s
-def test_target_tpu_refusal_is_one_line_with_what_fits(capsys):
+def test_target_tpu_refusal_is_one_line_with_what_fits(capsys, monkeypatch):
     """A batch whose training step XLA's TPU compiler refuses (more than a v3 core's HBM): one line,
-    with the micro-batches that the compiler then accepts."""
+    with the micro-batches that the compiler then accepts; the other programs follow (the VAE's and
+    the Inception's, whose compiles for a TPU take minutes, are the course run's test's)."""
+    images = []
+    monkeypatch.setattr(dit, "bench_target_images", lambda *args: images.append(args))
     _, train, _ = bench_target(capsys, "v3-8", "--size", "XXS", "--patch", "2", "--batch-size",
                                "32768")
+    assert len(images) == 1
     assert re.fullmatch(r"  train:   the training step needs more than a device's 15.48 GiB "
                         r"\(XLA's compiler refused it at 4096 samples a device at a time\); try "
                         r"--grad-accum \d+ \(about [\d.]+ GiB\), --remat, a smaller --batch-size",
@@ -7093,7 +7079,8 @@ def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
     """A V100 16 GB: one device, float16 and XLA's attention, what a run may use of it as
     XLA_PYTHON_CLIENT_MEM_FRACTION sets it; XLA's CUDA compiler counts no FLOPs."""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    head, train, sample = bench_target(capsys, "v100-16gb", *TINY_RUN, "--batch-size", "16")
+    head, train, sample, decode, inception, encode = bench_target(
+        capsys, "v100-16gb", *TINY_RUN, "--batch-size", "16")
     memory = dit.size_text(int(0.9 * dit.GPU_TARGETS["v100-16gb"][-2]))
     assert head.endswith(f"fp16, attention xla, compiled for 1 x Tesla V100-SXM2-16GB "
                          f"(v100-16gb): a run may use {memory} a device (0.9 of 15.77 GiB, "
@@ -7102,6 +7089,48 @@ def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
                         r"\(dit_flops' count\) \| at 25% of Tesla V100-SXM2-16GB's "
                         r"peak \(an estimate\): .*", train), train
     assert re.fullmatch(r"  sample:  .*: [\d.]+ MiB a device, fits", sample), sample
+    # the programs around the model, at their own batches: the latents' 8x8 decoded to 64x64, the
+    # FID Inception's 128 a device, prepare_imagenet100.py's 32 a device; each holds its weights
+    # (the SD VAE's 83.7M parameters in float32 at fp16: it overflows in float16; the Inception's
+    # 23.8M)
+    programs = {"decode": (decode, r"SD VAE, 64x64 images, batch 16 \(16 a device at a time\)",
+                           83.7),
+                "FID": (inception, r"Inception \(adm\), batch 128", 23.8),
+                "encode": (encode, r"SD VAE, prepare_imagenet100.py's, 64x64 images with their "
+                                   r"flips, batch 32 of a host", 83.7)}
+    for name, (line, what, millions) in programs.items():
+        fields = re.fullmatch(rf"  {name}: +{what}: ([\d.]+) (MiB|GiB) a device, fits", line)
+        assert fields, line
+        assert float(fields[1]) * 2 ** {"MiB": 20, "GiB": 30}[fields[2]] > 4 * millions * 1e6
+
+@slow  # the training step compiled for a V100: 10 s
+def test_target_pixel_run_has_no_vae(capsys, monkeypatch):
+    """A run on pixels (MNIST's 28x28x1) decodes and encodes nothing: its one program beside the
+    model's is the FID Inception, of its images as they are."""
+    lowered = []
+    monkeypatch.setattr(dit, "compiled_line", lambda name, compile, limit: lowered.append(name))
+    dit.main(["bench", "--target", "v100-16gb", *TINY_RUN[:4], "--image-size", "28", "--channels",
+              "1", "--batch-size", "16"])
+    assert [name.split(":")[0] for name in lowered] == ["sample", "FID"]
+    assert lowered[1] == "FID:     Inception (adm), batch 128"
+
+def test_xla_flops_are_none_where_the_program_loops():
+    """XLA counts a loop's body once: a program with a loop (a sampler's steps, micro-batches) has
+    no count, one without has XLA's, 2 n^3 for a product of n x n matrices."""
+    x = jnp.ones((64, 64))
+    product = jax.jit(lambda x: x @ x).lower(x).compile()
+    loop = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=4)[0])
+    assert dit.xla_flops(product) == 2 * 64 ** 3
+    assert dit.xla_flops(loop.lower(x).compile()) is None
+
+def test_target_p100_refuses_fp16_in_one_line():
+    """XLA's GPU compiler has no float16 products with float32 sums before Volta: on a P100 a run
+    is float32 by default, and --precision fp16 ends in one line that says why."""
+    with pytest.raises(dit.InputError, match=r"--precision fp16: XLA has no float16 products with "
+                       r"float32 sums on a Tesla P100-SXM2-16GB \(compute capability 6\); use fp32"):
+        dit.main(["bench", "--target", "p100", *TINY_RUN, "--precision", "fp16"])
+    devices, _, _ = dit.target_devices("p100")
+    assert dit.default_precision(devices[0]) == "fp32"
 
 def test_target_without_its_compiler_says_what_to_install(monkeypatch):
     """jax[tpu] and jax[cuda12] are optional: without the one a target needs, one line."""
@@ -7112,18 +7141,111 @@ def test_target_without_its_compiler_says_what_to_install(monkeypatch):
                 f'pip install "jax[{extra}]=={jax.__version__}"')):
             dit.main(["bench", "--target", target, *TINY_RUN])
 
+def target_output(name):
+    """The lines that fixtures/targets/NAME.txt holds: a `bench --target` command, then its output."""
+    with open(fixture(os.path.join("targets", f"{name}.txt"))) as f:
+        return f.read().splitlines()
+
+# The README's table of compiles for the course's hardware: a row a file of fixtures/targets (what a
+# `bench --target` command printed; compile.sh beside them makes them), in this order.
+TARGET_RUNS = ["v3-8", "v3-16", "v5e-1", "v6e-1", "h100-ddpm", "a100-80gb", "a40", "a100-3g.20gb",
+               "a100-3g.20gb-.9", "v100-32gb", "v100-16gb", "t4", "p100"]
+
+def target_row(lines):
+    """The README's row of one `bench --target` command's output: the command, then its lines."""
+    command, head, train, *programs = lines
+    target, *options = command.split("--target ")[1].replace(
+        "--size S --patch 2 --batch-size 256", "").split(maxsplit=1)
+    fraction = command.split()[1] if "MEM_FRACTION" in command else None
+    devices = re.search(r"(\w+), attention (\w+).*, compiled for (\d+ x [^(]+) \(", head)
+    may_use = re.search(r"a run may use ([\d.]+ [MG]iB) a device", head)[1]
+    fits = re.fullmatch(r"  train: +([\d.]+ [MG]iB) a device: fits \| .*: (\d+) ms a step, "
+                        r".*, 400K steps ([\d.]+ h)", train)
+    if fits:
+        step, hours = f"{fits[1]}: fits", f"{fits[2]} ms, {fits[3]}"
+    else:
+        needs = re.search(r"needs (?:([\d.]+ [MG]iB) of|(more than)) a device's", train)
+        remedy = re.search(r"try --grad-accum (\d+) \(about ([\d.]+ [MG]iB)\)", train)
+        step = (f"{needs[1] or 'refused'}: does not fit"
+                + (f"; `--grad-accum {remedy[1]}`: {remedy[2]}" if remedy else ""))
+        hours = ""
+    memory = []
+    for line in programs:
+        figure = re.search(r": ([\d.]+ [MG]iB) a device, fits|\(([\d.]+ [MG]iB)\)", line)
+        memory.append(figure[1] or f"{figure[2]}: does not fit")
+    cells = [f"`{target}`" + "".join(f" `{o.strip()}`" for o in options)
+             + (f", `{fraction}`" if fraction else "") + f": {devices[3].strip()}, {devices[1]}, "
+             f"{devices[2]} attention", step, may_use, *memory, hours]
+    return "| " + " | ".join(cells) + " |"
+
+def test_readme_target_table_is_the_compiles():
+    """The README's table of compiles for the course's hardware is what `bench --target` printed
+    for each target (fixtures/targets), row by row."""
+    table = readme_table("DiT-S/2 at the course's batch 256 on 32x32x4 latents")
+    assert [f"| {' | '.join(row)} |" for row in table] == [target_row(target_output(name))
+                                                          for name in TARGET_RUNS]
+
+# The README's hours on the notebooks' and the course's TPUs (the course's section): the compiled
+# step's time at 25% of the slice's peak, a row a slice.
+README_TPUS = {"v3-8": "TPU v3-8 (Kaggle)", "v3-16": "TPU v3-16", "v5e-1": "TPU v5e-1 (Colab)",
+               "v6e-1": "TPU v6e-1 (Colab)"}
+
+def test_readme_tpu_hours_are_the_compiles():
+    """The README's table of DiT-S/2's hours on TPUs is `bench --target`'s estimates for each
+    slice: its step at 25% of the peak of all its devices."""
+    assert readme_table("At the same 25%,\nthe course's step as it compiles") == tpu_hours_rows()
+
+def tpu_hours_rows():
+    rows = []
+    for name, label in README_TPUS.items():
+        head, train = target_output(name)[1:3]
+        count, kind = re.search(r"compiled for (\d+) x (.+?) \(", head).groups()
+        peak = int(count) * dit.PEAK_FLOPS[kind]
+        step, *hours = re.search(r"(\d+) ms a step, 100K steps ([\d.]+ h), 400K steps ([\d.]+ h)",
+                                 train).groups()
+        rows.append([label, f"{peak / 1e12:,.0f} TFLOP/s",
+                     f"{dit.ESTIMATE_MFU * peak / 1e12:,.0f} TFLOP/s", f"{step} ms", *hours])
+    return rows
+
+# The README's per-GPU table of the SLURM section quotes the compiles' figures of the training step
+# as "`bench --target NAME`: the step counts A GiB of B".
+def test_readme_gpu_memory_is_the_compiles():
+    """Every row of the README's table of the cluster's GPUs gives the memory of the course's step
+    that `bench --target` counted on that GPU, of what a run may use there."""
+    rows = readme_table("**3. Per kind of GPU**")
+    for row in rows:
+        quoted = re.findall(r"`((?:XLA_PYTHON_CLIENT_MEM_FRACTION=.9 )?)bench --target (\S+)`: the "
+                            r"step counts ([\d.]+ GiB) of ([\d.]+ GiB)", row[3])
+        assert quoted, row
+        for fraction, name, counted, may_use in quoted:
+            head, train = target_output(name + ("-.9" if fraction else ""))[1:3]
+            assert f"a run may use {may_use} a device" in head
+            assert re.match(rf"  train: +(the training step needs )?{counted} ", train), train
+
 @slow
 def test_target_v3_8_course_run(capsys):
     """The course's step on a TPU v3-8: DiT-S/2 at batch 256, 32 a core, as it compiles there."""
-    head, train, sample = bench_target(capsys, "v3-8", "--size", "S", "--patch", "2",
-                                       "--batch-size", "256")
+    head, train, sample, decode, inception, encode = bench_target(
+        capsys, "v3-8", "--size", "S", "--patch", "2", "--batch-size", "256")
+    assert "bf16, attention xla, compiled for 8 x TPU v3 (v3-8): a run may use 15.48 GiB" in head
     fields = re.fullmatch(r"  train:   ([\d.]+) GiB a device: fits \| ([\d.e+]+) FLOP a device "
-                          r"\(XLA's count\) .*",
-                          train)
+                          r"\(XLA's count\) \| at 25% of TPU v3's peak \(an estimate\): \d+ ms a "
+                          r"step, .*", train)
     assert fields, train
     # more than the state that each core holds whole (parameters, EMA, AdamW's two moments in
     # float32), less than a core's HBM; XLA's FLOPs within a few percent of the model's products
     assert 4 * 33e6 * 4 / 2**30 < float(fields[1]) < 15.48
     cfg = dit.DiTConfig(input_size=32, patch_size=2, in_channels=4, **dit.DIT_SIZES["S"])
     assert 1.0 < float(fields[2]) / (3 * dit.dit_flops(cfg) * 256 / 8) < 1.05
-    assert re.fullmatch(r"  sample:  .*: [\d.]+ MiB a device, fits \| .*", sample), sample
+    # the sampler's 25 steps are a loop, whose body XLA counts once: no FLOPs
+    assert re.fullmatch(r"  sample:  heun, 25 steps, guidance 1.5, batch 256: [\d.]+ MiB a "
+                        r"device, fits", sample), sample
+    # 256x256 images: 32 a core decoded, 128 a core through the Inception, the 32 a core of one
+    # host's 8 that prepare_imagenet100.py encodes; XLA counts their FLOPs a core
+    for line, what in [(decode, r"decode:  SD VAE, 256x256 images, batch 256 \(32 a device at a "
+                                r"time\)"),
+                       (inception, r"FID:     Inception \(adm\), batch 1024"),
+                       (encode, r"encode:  SD VAE, prepare_imagenet100.py's, 256x256 images with "
+                                r"their flips, batch 256 of a host")]:
+        assert re.fullmatch(rf"  {what}: [\d.]+ [MG]iB a device, fits \| [\d.e+]+ FLOP a device",
+                            line), line
