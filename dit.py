@@ -3962,7 +3962,8 @@ def bench_target_images(config, mesh, shaped, x, limit):
     except ModuleNotFoundError as e:
         if e.name != "prepare_imagenet100":
             raise
-        return print("  encode:  prepare_imagenet100.py is not beside dit.py")
+        print("  encode:  prepare_imagenet100.py is not beside dit.py")
+        return
     devices = [d for d in mesh.devices.flat if d.process_index == 0]  # one host's
     data = NamedSharding(jax.sharding.Mesh(np.array(devices), ("data",)), P("data"))
     n = prepare.DEVICE_BATCH * len(devices)
