@@ -1391,6 +1391,10 @@ class VAEConfig:
     latent_channels: int = 4
     scaling_factor: float = 0.18215  # DiT multiplies latents by this for roughly unit variance
 
+    @property
+    def downsampling(self):  # pixels a latent spans along each side: 8 for the SD VAE
+        return 2 ** (len(self.block_out_channels) - 1)
+
     @classmethod
     def from_json(cls, path):
         """A diffusers config.json: keys that do not shape the network ignored, options not built
@@ -3940,9 +3944,9 @@ def bench_target_images(config, mesh, shaped, x, limit):
         replicated = NamedSharding(mesh, P())
         return graphdef, jax.tree.map(lambda a: shaped(a.shape, a.dtype, replicated), state)
 
-    side = config.image_size
-    if config.channels == vae_cfg.latent_channels:
-        side *= 2 ** (len(vae_cfg.block_out_channels) - 1)
+    latent = config.channels == vae_cfg.latent_channels
+    side = config.image_size * (vae_cfg.downsampling if latent else 1)
+    if latent:
         vae = abstract(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(config.precision),
                                              rngs=nnx.Rngs(0)))
         finish = decoder(mesh, vae[0], vae_cfg.scaling_factor)
@@ -3955,7 +3959,7 @@ def bench_target_images(config, mesh, shaped, x, limit):
     forward = fid._inception_forward.lower(graphdef, fid.DEFAULT_PROTOCOL, state, images)
     print(compiled_line(f"FID:     Inception ({fid.DEFAULT_PROTOCOL}), batch {n}",
                         functools.cache(forward.compile), limit))
-    if config.channels != vae_cfg.latent_channels:
+    if not latent:
         return
     try:
         import prepare_imagenet100 as prepare

@@ -282,7 +282,7 @@ def main(argv=None):
         name, dtype, row_shape = "images", np.uint8, (size, size, 3)
     else:
         vae = load_vae(args.vae)
-        f = 2 ** (len(vae.cfg.block_out_channels) - 1)
+        f = vae.cfg.downsampling
         if size % f:
             raise dit.InputError(f"--resolution {size} is not a multiple of the VAE's downsampling "
                                  f"factor {f}; pick one that is")
