@@ -85,11 +85,10 @@ slow = pytest.mark.slow
 warnings.filterwarnings("ignore", "Unknown pytest.mark.xdist_group")
 one_slurm = pytest.mark.xdist_group("slurm")
 
-# The commands that the tests run as processes would each compile their functions anew: a
-# compilation cache shared by the processes of the whole test run, both workers' (pytest-xdist's),
-# compiles each function once (a short training run: 21 s without it, 7 s with it). It lies in
-# the run's temporary folder, which pytest keeps for the last three runs. The test process read
-# JAX's settings at import and does not use it.
+# The tests and the commands that they run as processes would each compile their functions anew:
+# a compilation cache shared by the whole test run, its workers (pytest-xdist's) and the processes
+# they start, compiles each function once (a short training run: 21 s without it, 7 s with it). It
+# lies in the run's temporary folder, which pytest keeps for the last three runs.
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_of_the_run(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()  # under xdist, a folder per worker in the run's
@@ -97,6 +96,7 @@ def compilation_cache_of_the_run(tmp_path_factory):
     os.environ.update(JAX_COMPILATION_CACHE_DIR=str(cache),
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    dit.use_compile_cache(str(cache))  # this process read JAX's settings at import
 
 # The tests spend most of their time in XLA's compiler, on small programs that run in moments:
 # without LLVM's optimisations it compiles in about half the time. This process (from its first
@@ -113,12 +113,13 @@ def process_env(devices):
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {UNOPTIMISED}"}
 
 @pytest.fixture(autouse=True)
-def compilation_cache_off():
-    """A training run that a test starts in this process (dit.main) turns JAX's compilation cache
-    on for the process, beside its run directory: off again after the test, as the process began."""
+def compilation_cache_restored():
+    """A training run that a test starts in this process (dit.main) may set JAX's compilation cache
+    to its own (--compile-cache): the test run's again after the test."""
     yield
-    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
-        dit.use_compile_cache("")
+    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if not jax.config.jax_enable_compilation_cache or jax.config.jax_compilation_cache_dir != cache:
+        dit.use_compile_cache(cache)
 
 def fixture(name):
     """Path of a reference file: $DIT_FIXTURES first, then the project's fixtures/. A missing file
@@ -3713,7 +3714,9 @@ def test_slurm_chain_outlives_each_way_a_job_ends_and_is_the_uninterrupted_run(t
     ends = ["interrupted", "interrupted", "reached the SLURM job's end"]
     saved = []
     for out, end in zip(outs, ends):
-        match = re.search(rf"^{end} at step (\d+) of {steps}: saved (\S+);", out, re.M)
+        # not at a line's start: srun forwards stdout and stderr apart, and may write a line of one
+        # inside the bar's line of the other (carriage returns, no newline until the bar closes)
+        match = re.search(rf"{end} at step (\d+) of {steps}: saved (\S+);", out)
         assert match, out[-3000:]
         saved.append(int(match[1]))
         assert int(dit.read_checkpoint(match[2], names=[])[0]["step"]) == saved[-1]
