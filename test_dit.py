@@ -7154,14 +7154,17 @@ def target_output(name):
 
 # The README's table of compiles for the course's hardware: a row a file of fixtures/targets (what a
 # `bench --target` command printed; compile.sh beside them makes them), in this order.
-TARGET_RUNS = ["v3-8", "v3-16", "v5e-1", "v6e-1", "h100-ddpm", "a100-80gb", "a40", "a100-3g.20gb",
-               "a100-3g.20gb-.9", "v100-32gb", "v100-16gb", "t4", "p100"]
+TARGET_RUNS = ["v3-8", "v3-16", "v4-8", "v5e-1", "v5e-8", "v6e-1", "v6e-8", "h100-ddpm",
+               "a100-80gb", "a100-40gb", "a40", "a100-3g.20gb", "a100-3g.20gb-.9", "v100-32gb",
+               "v100-16gb", "t4", "p100"]
+# and its table of DiT-XL/2 at the same batch
+XL_TARGET_RUNS = ["h100-xl2", "v3-8-xl2", "v3-8-xl2-fsdp"]
 
 def target_row(lines):
     """The README's row of one `bench --target` command's output: the command, then its lines."""
     command, head, train, *programs = lines
-    target, *options = command.split("--target ")[1].replace(
-        "--size S --patch 2 --batch-size 256", "").split(maxsplit=1)
+    target, *options = re.sub(r"--size \w+ --patch 2 --batch-size 256", "",
+                              command.split("--target ")[1]).split(maxsplit=1)
     fraction = command.split()[1] if "MEM_FRACTION" in command else None
     devices = re.search(r"(\w+), attention (\w+).*, compiled for (\d+ x [^(]+) \(", head)
     may_use = re.search(r"a run may use ([\d.]+ [MG]iB) a device", head)[1]
@@ -7187,14 +7190,17 @@ def target_row(lines):
 def test_readme_target_table_is_the_compiles():
     """The README's table of compiles for the course's hardware is what `bench --target` printed
     for each target (fixtures/targets), row by row."""
-    table = readme_table("DiT-S/2 at the course's batch 256 on 32x32x4 latents")
-    assert [f"| {' | '.join(row)} |" for row in table] == [target_row(target_output(name))
-                                                          for name in TARGET_RUNS]
+    for heading, names in [("DiT-S/2 at the course's batch 256 on 32x32x4 latents", TARGET_RUNS),
+                           ("DiT-XL/2 at the same batch", XL_TARGET_RUNS)]:
+        table = readme_table(heading)
+        assert [f"| {' | '.join(row)} |" for row in table] == [target_row(target_output(name))
+                                                              for name in names]
 
 # The README's hours on the notebooks' and the course's TPUs (the course's section): the compiled
 # step's time at 25% of the slice's peak, a row a slice.
-README_TPUS = {"v3-8": "TPU v3-8 (Kaggle)", "v3-16": "TPU v3-16", "v5e-1": "TPU v5e-1 (Colab)",
-               "v6e-1": "TPU v6e-1 (Colab)"}
+README_TPUS = {"v3-8": "TPU v3-8 (Kaggle)", "v3-16": "TPU v3-16", "v4-8": "TPU v4-8",
+               "v5e-1": "TPU v5e-1 (Colab)", "v5e-8": "TPU v5e-8", "v6e-1": "TPU v6e-1 (Colab)",
+               "v6e-8": "TPU v6e-8"}
 
 def test_readme_tpu_hours_are_the_compiles():
     """The README's table of DiT-S/2's hours on TPUs is `bench --target`'s estimates for each
