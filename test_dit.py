@@ -7152,8 +7152,8 @@ def target_output(name):
     with open(fixture(os.path.join("targets", f"{name}.txt"))) as f:
         return f.read().splitlines()
 
-# The README's table of compiles for the course's hardware: a row a file of fixtures/targets (what a
-# `bench --target` command printed; compile.sh beside them makes them), in this order.
+# The README's tables of compiles for the course's hardware: a row a file of fixtures/targets (what
+# a `bench --target` command printed; compile.sh beside them makes them), in this order.
 TARGET_RUNS = ["v3-8", "v3-16", "v4-8", "v5e-1", "v5e-8", "v6e-1", "v6e-8", "h100-ddpm",
                "a100-80gb", "a100-40gb", "a40", "a100-3g.20gb", "a100-3g.20gb-.9", "v100-32gb",
                "v100-16gb", "t4", "p100"]
@@ -7188,8 +7188,8 @@ def target_row(lines):
     return "| " + " | ".join(cells) + " |"
 
 def test_readme_target_table_is_the_compiles():
-    """The README's table of compiles for the course's hardware is what `bench --target` printed
-    for each target (fixtures/targets), row by row."""
+    """The README's tables of compiles for the course's hardware, DiT-S/2's and DiT-XL/2's, are
+    what `bench --target` printed for each target (fixtures/targets), row by row."""
     for heading, names in [("DiT-S/2 at the course's batch 256 on 32x32x4 latents", TARGET_RUNS),
                            ("DiT-XL/2 at the same batch", XL_TARGET_RUNS)]:
         table = readme_table(heading)
