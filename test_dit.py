@@ -98,6 +98,11 @@ def compilation_cache_of_the_run(tmp_path_factory):
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     dit.use_compile_cache(str(cache))  # this process read JAX's settings at import
 
+# The processes that the tests start would each compile dit.py's and fid.py's source to bytecode (a
+# quarter of a second of CPU apiece) where the environment says to write none
+# (PYTHONDONTWRITEBYTECODE): they keep it in __pycache__/ (which git ignores), compiled once.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # The tests spend most of their time in XLA's compiler, on small programs that run in moments:
 # without LLVM's optimisations it compiles in about half the time. This process (from its first
 # computation: XLA reads XLA_FLAGS as JAX starts) and those it starts compile so. Numbers then
@@ -162,11 +167,15 @@ class RunsCommand:
 
 # Every run below trains this tiny model in a fresh process, so that the number of devices (set by
 # XLA_FLAGS before jax starts) and jax.distributed can differ between runs. It ends as
-# `python dit.py` does: a mistake of the user's in one line.
+# `python dit.py` does: a mistake of the user's in one line; and as it does, it imports fid.py (and
+# SciPy) only where the run needs FID. Flax imports IPython where it is installed (as the notebook
+# tests need), to ask whether it runs in a notebook: half a second of each process's start, where
+# the answer is no.
 DRIVER = """
 import os, sys
 sys.path.insert(0, {here!r})
-import dit, fid
+sys.modules["IPython"] = None
+import dit
 dit.DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)
 {patch}
 dit.run_cli(dit.main)
@@ -2620,8 +2629,11 @@ masking, terms = dit.DeferredMasking(0.5, 1), (dit.Internal(0.5), dit.SRA(1, 2))
 def steps(K, scaled, masking=masking):
     dtype = jnp.float16 if scaled else jnp.float32
     graphdef, state, shardings = dit.init_state(cfg, tx, 0, mesh, False, jnp.float32, None)
-    state |= dit.loss_scale_state(dtype)
-    shardings |= jax.tree.map(lambda a: NamedSharding(mesh, P()), dit.loss_scale_state(dtype))
+    # placed as the step returns it: a state on one device first would compile the step twice
+    scale_state = dit.loss_scale_state(dtype)
+    scale_shardings = jax.tree.map(lambda a: NamedSharding(mesh, P()), scale_state)
+    state |= jax.device_put(scale_state, scale_shardings)
+    shardings |= scale_shardings
     step = dit.jit_train_step(graphdef, dit.RectifiedFlow(), tx, 0.9, False, 0, mesh, shardings,
                               masking, terms, K)
     for _ in range(2):
@@ -3359,6 +3371,7 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
 # of the means (test_fid_frechet_distance_* test the real one): these tests are of the hosts' paths
 # through the collectives.
 COURSE = """
+import fid
 dit.DIT_SIZES["S"] = dict(hidden_size=32, depth=2, num_heads=2)
 fid.frechet_distance = lambda mu1, sigma1, mu2, sigma2: float(((mu1 - mu2) ** 2).sum())
 """
