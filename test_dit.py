@@ -87,8 +87,10 @@ one_slurm = pytest.mark.xdist_group("slurm")
 
 # The tests and the commands that they run as processes would each compile their functions anew:
 # a compilation cache shared by the whole test run, its workers (pytest-xdist's) and the processes
-# they start, compiles each function once (a short training run: 21 s without it, 7 s with it). It
-# lies in the run's temporary folder, which pytest keeps for the last three runs.
+# they start, compiles each function once (a short training run: 21 s without it, 7 s with it), but
+# in the second process of a pair joined by jax.distributed, which files each program under a key
+# of its own on the CPU and writes none. It lies in the run's temporary folder, which pytest keeps
+# for the last three runs.
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_of_the_run(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()  # under xdist, a folder per worker in the run's
@@ -2629,7 +2631,7 @@ masking, terms = dit.DeferredMasking(0.5, 1), (dit.Internal(0.5), dit.SRA(1, 2))
 def steps(K, scaled, masking=masking):
     dtype = jnp.float16 if scaled else jnp.float32
     graphdef, state, shardings = dit.init_state(cfg, tx, 0, mesh, False, jnp.float32, None)
-    # placed as the step returns it: a state on one device first would compile the step twice
+    # placed as the step returns it: from one device, the second call would trace the step anew
     scale_state = dit.loss_scale_state(dtype)
     scale_shardings = jax.tree.map(lambda a: NamedSharding(mesh, P()), scale_state)
     state |= jax.device_put(scale_state, scale_shardings)
