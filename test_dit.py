@@ -87,9 +87,9 @@ one_slurm = pytest.mark.xdist_group("slurm")
 
 # The tests and the commands that they run as processes would each compile their functions anew:
 # a compilation cache shared by the whole test run, its workers (pytest-xdist's) and the processes
-# they start, compiles each function once (a short training run: 21 s without it, 7 s with it), but
-# in the second process of a pair joined by jax.distributed, which files each program under a key
-# of its own on the CPU and writes none. It lies in the run's temporary folder, which pytest keeps
+# they start, compiles each function once (a short training run: 21 s without it, 7 s with it);
+# not so the second process of a pair joined by jax.distributed, which on the CPU files a program
+# under a key of its own and writes none. It lies in the run's temporary folder, which pytest keeps
 # for the last three runs.
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_of_the_run(tmp_path_factory):
