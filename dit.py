@@ -2175,6 +2175,18 @@ def read_checkpoint(path, names=None):
         raise InputError(f"{path} is not a DiT checkpoint: it has no metadata; {fix}")
     return meta, arrays
 
+# `array` (a host's, one device's, or already there) on `sharding`'s devices, each process placing
+# its own devices' slices: device_put of a host's array would first compare it across all hosts,
+# sending the whole of it over the network once per host.
+def placed(array, sharding):
+    if isinstance(array, jax.Array) and array.sharding == sharding:
+        return array
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+# `tree`'s arrays whole on every device of the mesh: weights that every device reads.
+def replicated(tree, mesh):
+    return jax.tree.map(lambda a: placed(a, NamedSharding(mesh, P())), tree)
+
 def restore_state(arrays, abstract_state, shardings, what):
     """Checkpoint arrays into a state of this structure and these shardings, on any device count."""
     names = flatten(abstract_state)
@@ -2187,11 +2199,7 @@ def restore_state(arrays, abstract_state, shardings, what):
             raise InputError(f"{what}: {name} is {arrays[name].dtype} {arrays[name].shape}, the "
                              f"model needs {like.dtype} {like.shape}: the checkpoint is from "
                              f"another model size, or damaged")
-        array = arrays[name].astype(like.dtype)
-        # Each process places only its own devices' slices (device_put of a host array would compare
-        # it across all hosts first, sending the whole state over the network once per host).
-        leaves.append(jax.make_array_from_callback(like.shape, sharding,
-                                                   lambda index, a=array: a[index]))
+        leaves.append(placed(arrays[name].astype(like.dtype), sharding))
     return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
 def sampled_params(model):
@@ -3337,7 +3345,7 @@ class Sampler:
         self.trajectory = options.get("return_trajectory", False)
         batch = NamedSharding(mesh, P("data"))
         guide_graphdef = nnx.graphdef(guide) if guide is not None else None
-        self.guide_params = (jax.device_put(nnx.state(guide, nnx.Param), NamedSharding(mesh, P()))
+        self.guide_params = (replicated(nnx.state(guide, nnx.Param), mesh)
                              if guide is not None else None)
 
         def run(params, guide_params, noise, y, key):  # named, as compilation logs and profiles say
@@ -3347,7 +3355,7 @@ class Sampler:
 
         self.run = jax.jit(run, in_shardings=(None, None, batch, batch, None))
         vae_graphdef, vae_params = nnx.split(vae) if vae is not None else (None, None)
-        self.vae_params = jax.device_put(vae_params, NamedSharding(mesh, P()))
+        self.vae_params = replicated(vae_params, mesh)
         self.finish = decoder(mesh, vae_graphdef, latent_scale)
         self.seconds = {"sample": 0.0, "decode": 0.0, "Inception": 0.0}  # sample_and_score's
 
@@ -4841,7 +4849,7 @@ def sample_command(config):
         guidance_channels=3 if config.guidance_channels == "3" else None, vae=vae,
         latent_scale=latent_scale, return_trajectory=bool(config.gif))
     # the weights on every device, once
-    params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
+    params = replicated(nnx.state(model, nnx.Param), mesh)
 
     def sampler_of(scale, interval, guide, internal):
         path, w = guide

@@ -740,9 +740,8 @@ class InceptionFeatures:
         self.fc_bias = np.asarray(inception.fc.bias[...])
         graphdef, state = nnx.split(inception)
         # The weights replicated on every device, and kept so in the module: the next evaluation
-        # with it (a guidance sweep's) finds them in place. Placing them anew would send them
-        # again and, under jax.distributed, compare all 95 MB of them across the processes.
-        self.state = jax.device_put(state, NamedSharding(self.mesh, P()))
+        # with it (a guidance sweep's) finds them in place rather than sending them again.
+        self.state = dit.replicated(state, self.mesh)
         nnx.update(inception, self.state)
         # (state, images) -> (pool, logits, spatial)
         self.forward = functools.partial(_inception_forward, graphdef, protocol)
