@@ -44,7 +44,7 @@ import scipy.linalg
 import scipy.special
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 from PIL import Image
 
 # dit.py holds what the two files share: the readers of untrusted files and dit.InputError. Run as a
