@@ -367,14 +367,19 @@ def load_torch(path):
     """dit.load_torch, reading also torch's legacy format, in which pytorch-fid's weights are."""
     return dit.load_torch(path, _load_torch_legacy)
 
+# (graphdef, shapes) of the InceptionV3, nothing initialised, traced once a process: the trace of its
+# initialisers takes more than a second, most of it in Flax's RNG counters.
+@functools.cache
+def _inception_shapes():
+    return nnx.split(nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0))))
+
 def _inception_with(state_dict, source):
     """An InceptionV3 holding pytorch-fid's state dict, read by dit.py's one loader of PyTorch
     weights (BatchNorm's training counter, num_batches_tracked, is not used at inference)."""
     if not (isinstance(state_dict, dict)
             and all(isinstance(v, np.ndarray) for v in state_dict.values())):
         raise dit.InputError(f"{source}: not a state dict of tensors. {_PASS_OFFICIAL}")
-    # shapes only, nothing initialised
-    abstract = nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    abstract = nnx.merge(*_inception_shapes(), copy=True)  # a module of its own to fill
     return dit.load_torch_weights(abstract, state_dict, source,
                                   f"not pytorch-fid's FID Inception weights. {_PASS_OFFICIAL}",
                                   skip=r".*\.num_batches_tracked")
