@@ -106,14 +106,13 @@ def compilation_cache_of_the_run(tmp_path_factory):
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The tests spend most of their time in XLA's compiler, on small programs that run in moments:
-# without LLVM's optimisations it compiles in about half the time, and XLA's CPU compiler up to jax
-# 0.10 compiles them in a third of that again with its older emitters rather than its fusion
-# emitters (a training step: 3.0 s of CPU rather than 8-9 s), which later releases have alone and
-# whose switch they do not know. XLA ends a process at a flag it does not know, so a small process
-# asks first. This process (from its first computation: XLA reads XLA_FLAGS as JAX starts) and
-# those it starts compile so. Numbers then differ from optimised code's in the last bit, far inside
-# the references' tolerances; one parity test compiles the model as a user's code is
-# (test_jit_compiled_model_matches_official).
+# without LLVM's optimisations it compiles in about half the time, and in a third of that again with
+# its CPU compiler's older emitters rather than its fusion emitters (a training step: 3.0 s of CPU
+# rather than 8-9 s), where it still has them (jax 0.10.2 does; 0.12.0.1 has the fusion emitters
+# alone). XLA ends a process at a flag it does not know, so a small process asks first. This process
+# (from its first computation: XLA reads XLA_FLAGS as JAX starts) and those it starts compile so.
+# Numbers then differ from optimised code's in the last bit, far inside the references' tolerances;
+# one parity test compiles the model as a user's code is (test_jit_compiled_model_matches_official).
 def xla_knows(flag):
     return subprocess.run([sys.executable, "-c", "import jaxlib.xla_client; "
                            "jaxlib.xla_client.make_cpu_client()"], env={**os.environ,
