@@ -114,6 +114,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # Numbers then differ from optimised code's in the last bit, far inside the references' tolerances;
 # one parity test compiles the model as a user's code is (test_jit_compiled_model_matches_official).
 def xla_knows(flag):
+    """Whether XLA starts with `flag` in XLA_FLAGS, in a process of its own."""
     return subprocess.run([sys.executable, "-c", "import jaxlib.xla_client; "
                            "jaxlib.xla_client.make_cpu_client()"], env={**os.environ,
                           "XLA_FLAGS": flag}, capture_output=True).returncode == 0
