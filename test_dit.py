@@ -7083,9 +7083,9 @@ TINY_RUN = ["--size", "XXS", "--patch", "4", "--image-size", "8"]
 @slow  # XLA's TPU compiler: 5 s to refuse the step, 45 s of CPU to accept its micro-batches
 def test_target_tpu_refusal_is_one_line_with_what_fits(capsys, monkeypatch):
     """A batch whose training step XLA's TPU compiler refuses (more than a v3 core's HBM): one line,
-    with the micro-batches that the compiler then accepts; the other programs follow, named here
-    and compiled for a TPU by the course run's test (the sampler's) and its fixture (the VAE's and
-    the Inception's, whose compiles for a TPU take minutes)."""
+    with the micro-batches that the compiler then accepts; the other programs follow, named rather
+    than compiled: the course run's test compiles the sampler for a TPU, and
+    fixtures/targets/v3-8.txt holds the VAE's and the Inception's lines (minutes of compiling)."""
     images = []
     monkeypatch.setattr(dit, "bench_target_images", lambda *args: images.append(args))
     monkeypatch.setattr(dit, "compiled_line", lambda name, compile, limit: f"  {name}")
