@@ -1277,6 +1277,17 @@ def named_params(model):
     """{dotted path: array} of a model's weights, as flatten names them."""
     return flatten(nnx.to_pure_dict(nnx.state(model, WEIGHTS)))
 
+# (graphdef, shapes) of cls(*args, **kwargs), nothing initialised, traced once a process for each
+# configuration: tracing a model's initialisers takes from a tenth of a second to seconds, most of it
+# in Flax's RNG counters, and a run reads one model's weights again at each checkpoint.
+@functools.cache
+def module_shapes(cls, *args, **kwargs):
+    return nnx.split(nnx.eval_shape(lambda: cls(*args, **kwargs, rngs=nnx.Rngs(0))))
+
+# cls(*args, **kwargs) with shapes for weights (module_shapes'), a module of its own to fill.
+def abstract_module(cls, *args, **kwargs):
+    return nnx.merge(*module_shapes(cls, *args, **kwargs), copy=True)
+
 def set_params(model, named):
     """Set every weight of `model` from {dotted path: array}; the model may be nnx.eval_shape's."""
     state = nnx.state(model, WEIGHTS)
@@ -1362,7 +1373,7 @@ def load_dit_checkpoint(path, cfg: DiTConfig | None = None, **model_kwargs):
             raise InputError(f"{path}: the shapes of its weights are not those of an official "
                              f"DiT ({type(e).__name__}: {e}); from Python, pass "
                              f"load_dit_checkpoint its DiTConfig") from None
-    model = nnx.eval_shape(lambda: DiTPlus(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    model = abstract_module(DiTPlus, cfg, **model_kwargs)
     load_torch_weights(model, state_dict, path, DIT_WEIGHTS_FIX, skip="pos_embed")
     table = sincos_pos_embed_2d(cfg.hidden_size, cfg.grid)
     pos_embed = state_dict.get("pos_embed")
@@ -1634,7 +1645,7 @@ def load_vae(source="ema", cache_dir=None, dtype=jnp.float32):
     if cfg.layers_per_block * len(cfg.block_out_channels) > len(tensors):
         raise InputError(f"{weights} holds {len(tensors)} tensors, too few for the VAE of {cfg}; "
                          f"is config.json the one that came with these weights?")
-    model = nnx.eval_shape(lambda: AutoencoderKL(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = abstract_module(AutoencoderKL, cfg, dtype=dtype)
     return load_vae_weights(model, tensors, source=weights)
 
 #################################################################################
@@ -2690,10 +2701,11 @@ def state_shardings(abstract_state, mesh, fsdp):
 # (init, graphdef, abstract state, shardings): a new state's maker, its model's graphdef, the
 # state's shapes and shardings.
 def state_maker(cfg, tx, seed, mesh, fsdp, dtype, remat):
-    build = lambda: DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))  # noqa: E731
-    init = lambda: new_train_state(build(), tx) | loss_scale_state(dtype)  # noqa: E731
+    def init():
+        model = DiTPlus(cfg, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))
+        return new_train_state(model, tx) | loss_scale_state(dtype)
     abstract = jax.eval_shape(init)
-    graphdef = nnx.graphdef(nnx.eval_shape(build))
+    graphdef = module_shapes(DiTPlus, cfg, dtype=dtype, remat=remat)[0]
     return init, graphdef, abstract, state_shardings(abstract, mesh, fsdp)
 
 def init_state(cfg, tx, seed, mesh, fsdp, dtype, remat, checkpoint=None):
@@ -3233,7 +3245,7 @@ def model_of_metadata(path, meta, arrays, dtype):
                      f"learn_sigma")
     if not (scale is None or isinstance(scale, (int, float)) and scale > 0):
         raise refuse(f"its latent_scale {scale!r} is not a positive number")
-    return nnx.eval_shape(lambda: DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))), objective
+    return abstract_module(DiTPlus, cfg, dtype=dtype), objective
 
 def load_model(path, dtype=jnp.float32):
     """(model, objective, metadata) of a training checkpoint (its EMA), an exported .safetensors or
@@ -3947,21 +3959,20 @@ def bench_target(config):
 def bench_target_images(config, mesh, shaped, x, limit):
     fid, vae_cfg = fid_module(), VAEConfig()
 
-    def abstract(build, mesh=mesh):  # (graphdef, the state's shapes, replicated over mesh)
-        graphdef, state = nnx.split(nnx.eval_shape(build))
+    def abstract(shapes, mesh=mesh):  # (graphdef, the state's shapes, replicated over mesh)
+        graphdef, state = shapes
         replicated = NamedSharding(mesh, P())
         return graphdef, jax.tree.map(lambda a: shaped(a.shape, a.dtype, replicated), state)
 
     latent = config.channels == vae_cfg.latent_channels
     side = config.image_size * (vae_cfg.downsampling if latent else 1)
     if latent:
-        vae = abstract(lambda: AutoencoderKL(vae_cfg, dtype=vae_dtype(config.precision),
-                                             rngs=nnx.Rngs(0)))
+        vae = abstract(module_shapes(AutoencoderKL, vae_cfg, dtype=vae_dtype(config.precision)))
         finish = decoder(mesh, vae[0], vae_cfg.scaling_factor)
         print(compiled_line(f"decode:  SD VAE, {side}x{side} images, batch {len(x)} "
                             f"({min(DECODE_CHUNK, len(x) // mesh.size)} a device at a time)",
                             functools.cache(finish.lower(vae[1], x).compile), limit))
-    graphdef, state = abstract(lambda: fid.InceptionV3(rngs=nnx.Rngs(0)))
+    graphdef, state = abstract(module_shapes(fid.InceptionV3))
     n = fid.DEVICE_BATCH * mesh.size  # evaluate's batch
     images = shaped((n, side, side, 3), jnp.uint8)
     forward = fid._inception_forward.lower(graphdef, fid.DEFAULT_PROTOCOL, state, images)
@@ -3981,7 +3992,7 @@ def bench_target_images(config, mesh, shaped, x, limit):
     n = prepare.DEVICE_BATCH * len(devices)
     encode = functools.partial(prepare.encode_with_flip,
                                precision=prepare.default_vae_precision(devices[0]))
-    vae = abstract(lambda: AutoencoderKL(vae_cfg, rngs=nnx.Rngs(0)), data.mesh)  # float32
+    vae = abstract(module_shapes(AutoencoderKL, vae_cfg), data.mesh)  # float32
     program = prepare.sharded_program(vae[0], encode, data).lower(
         vae[1], shaped((n, side, side, 3), jnp.uint8, data))
     print(compiled_line(f"encode:  SD VAE, prepare_imagenet100.py's, {side}x{side} images with "

@@ -367,20 +367,13 @@ def load_torch(path):
     """dit.load_torch, reading also torch's legacy format, in which pytorch-fid's weights are."""
     return dit.load_torch(path, _load_torch_legacy)
 
-# (graphdef, shapes) of the InceptionV3, nothing initialised, traced once a process: the trace of its
-# initialisers takes more than a second, most of it in Flax's RNG counters.
-@functools.cache
-def _inception_shapes():
-    return nnx.split(nnx.eval_shape(lambda: InceptionV3(rngs=nnx.Rngs(0))))
-
 def _inception_with(state_dict, source):
     """An InceptionV3 holding pytorch-fid's state dict, read by dit.py's one loader of PyTorch
     weights (BatchNorm's training counter, num_batches_tracked, is not used at inference)."""
     if not (isinstance(state_dict, dict)
             and all(isinstance(v, np.ndarray) for v in state_dict.values())):
         raise dit.InputError(f"{source}: not a state dict of tensors. {_PASS_OFFICIAL}")
-    abstract = nnx.merge(*_inception_shapes(), copy=True)  # a module of its own to fill
-    return dit.load_torch_weights(abstract, state_dict, source,
+    return dit.load_torch_weights(dit.abstract_module(InceptionV3), state_dict, source,
                                   f"not pytorch-fid's FID Inception weights. {_PASS_OFFICIAL}",
                                   skip=r".*\.num_batches_tracked")
 
@@ -1018,13 +1011,13 @@ def _is_statistics_file(source):
     return (source.endswith(".npz") and os.path.isfile(source)
             and len(dit.read_npz(source, ["mu", "sigma"])) == 2)
 
-def random_weights(build):
-    """The module that `build` makes, with random values drawn on the host rather than by its
+def random_weights(cls, *args, **kwargs):
+    """cls(*args, **kwargs) with random values drawn on the host rather than by its
     initialisers, for benchmarks, whose speed does not depend on the values: XLA took half a minute
     to compile the InceptionV3's or SD VAE's initialisers on a 2-core CPU. Kernels (2+ dims) are
     normal, variance 1 / fan-in (product of all dims but the last); vectors (biases, norm scales,
     BatchNorm statistics) are ones."""
-    graphdef, state = nnx.split(nnx.eval_shape(build))  # shapes only
+    graphdef, state = dit.module_shapes(cls, *args, **kwargs)
     rng = np.random.default_rng(0)
 
     def draw(leaf):  # jax.ShapeDtypeStruct -> array
@@ -1038,7 +1031,7 @@ def random_weights(build):
 def benchmark(batch_sizes, image_size=256, steps=5):
     """Print images/s of the jit-compiled, sharded feature extractor (random weights: speed does not
     depend on them). Each step is timed from host uint8 images to features on the device."""
-    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    inception = random_weights(InceptionV3)
     devices = jax.device_count()
     print(f"InceptionV3 on {devices} x {jax.devices()[0].device_kind}, {image_size}x{image_size} "
           f"uint8 inputs resized to 299x299")
@@ -1067,9 +1060,8 @@ def bench_fid(args, cfg, objective, graphdef, params, mesh, shape):
     phase at the timed shapes. Left out: the Frechet distances (FID, sFID), host-side and
     independent of N. Returns each phase's seconds and the total."""
     vae_cfg = dit.VAEConfig()
-    vae = random_weights(lambda: dit.AutoencoderKL(vae_cfg, dtype=dit.vae_dtype(args.precision),
-                                                   rngs=nnx.Rngs(0)))
-    inception = random_weights(lambda: InceptionV3(rngs=nnx.Rngs(0)))
+    vae = random_weights(dit.AutoencoderKL, vae_cfg, dtype=dit.vae_dtype(args.precision))
+    inception = random_weights(InceptionV3)
     method, steps = objective.default_method, objective.default_steps
     sampler = dit.Sampler(graphdef, objective, mesh, steps=steps, method=method,
                           cfg_scale=dit.FID_CFG_SCALE, vae=vae,

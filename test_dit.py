@@ -81,7 +81,9 @@ slow = pytest.mark.slow
 # The README's command runs the tests in three processes (pytest-xdist's `-n 3 --dist loadgroup`)
 # on two cores: most of a test's time is XLA's compiler on one core, or a process it waits on (the
 # SLURM tests' jobs, the third process's time). The SLURM tests share one worker, so that their
-# jobs do not wait in the one node's queue behind each other's.
+# jobs do not wait in the one node's queue behind each other's. So do the tests that read the same
+# module fixture's run (straight_run and two_hosts, lever_run, masked_run, course_data), so that
+# the run is made once rather than once in each worker (10 to 20 s apiece).
 warnings.filterwarnings("ignore", "Unknown pytest.mark.xdist_group")
 one_slurm = pytest.mark.xdist_group("slurm")
 
@@ -319,7 +321,7 @@ def test_parameter_counts_equal_the_official_ones():
     position table, which PyTorch stores as a frozen parameter. XL/2 is never allocated."""
     for size, official in [("S", 32_963_360), ("XL", 675_129_632)]:
         cfg = dit.DiTConfig(patch_size=2, **dit.DIT_SIZES[size])
-        model = nnx.eval_shape(lambda: dit.DiT(cfg, rngs=nnx.Rngs(0)))
+        model = dit.abstract_module(dit.DiT, cfg)
         T = cfg.grid ** 2
         assert dit.count_params(model) + T * cfg.hidden_size == official, size
 
@@ -331,7 +333,7 @@ def test_dit_plus_stays_within_the_course_budget():
     and RoPE add none."""
     def total(**switches):
         cfg = dit.DiTConfig(patch_size=2, **dit.DIT_SIZES["S"], **switches)
-        model = nnx.eval_shape(lambda: dit.DiTPlus(cfg, rngs=nnx.Rngs(0)))
+        model = dit.abstract_module(dit.DiTPlus, cfg)
         return dit.count_params(model) + cfg.grid ** 2 * cfg.hidden_size
 
     D, depth, heads, official = 384, 12, 6, 32_963_360
@@ -1591,6 +1593,7 @@ def lever_run(tmp_path_factory, folder_data):
     return run_dir
 
 @slow
+@pytest.mark.xdist_group("lever_run")
 def test_every_lever_resumes_exactly_and_exports_without_its_training_head(tmp_path, folder_data,
                                                                            lever_run):
     """All three terms with remat and deferred masking: 3 steps, a kill, 3 resumed == 6 straight,
@@ -1629,6 +1632,7 @@ def test_every_lever_resumes_exactly_and_exports_without_its_training_head(tmp_p
     assert Image.open(tmp_path / "ig.png").size[0] > 16
 
 @slow
+@pytest.mark.xdist_group("lever_run")
 def test_every_lever_on_two_hosts_of_four_devices_trains_as_one_device(tmp_path, folder_data,
                                                                        lever_run):
     """2 processes x 4 devices == 1 process x 1 device, with every term: the dispersive loss of
@@ -1788,7 +1792,7 @@ def test_bfloat16_vae_decodes_close_to_float32():
 def test_vae_full_size_keys_and_shapes():
     """The default (SD kl-f8) configuration has exactly the parameters of the released VAE, as named
     by diffusers."""
-    vae = nnx.eval_shape(lambda: AutoencoderKL(VAEConfig(), rngs=nnx.Rngs(0)))
+    vae = dit.abstract_module(AutoencoderKL, VAEConfig())
     params = dit.named_params(vae)
     ours = {key: list(dit.to_torch_layout(name, np.empty(params[name].shape, np.int8)).shape)
             for key, name in vae_torch_names(vae).items()}
@@ -1815,7 +1819,7 @@ def test_vae_old_attention_names_load():
         old[k] = v
     assert any(".proj_attn.weight" in k for k in old) and not any(".to_q." in k for k in old)
     cfg = VAEConfig.from_json(os.path.join(folder, "config.json"))
-    vae = load_vae_weights(nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0))), old)
+    vae = load_vae_weights(dit.abstract_module(AutoencoderKL, cfg), old)
     ref = np.load(fixture("vae_reference.npz"))
     assert rel_err(vae.encode(nhwc(ref["x"]))[0], nhwc(ref["mean"])) < 1e-5
 
@@ -1827,7 +1831,7 @@ def test_vae_key_mismatch_is_named():
     named = (r"missing keys 1 \['decoder\.conv_out\.bias'\], "
              r"unexpected keys 1 \['encoder\.extra\.weight'\]")
     with pytest.raises(ValueError, match=named):
-        load_vae_weights(nnx.eval_shape(lambda: AutoencoderKL(cfg, rngs=nnx.Rngs(0))), tensors)
+        load_vae_weights(dit.abstract_module(AutoencoderKL, cfg), tensors)
 
 def test_load_vae_bad_sources(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError,
@@ -2434,6 +2438,7 @@ def records(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     """6 uninterrupted steps == 3 steps, a kill, 3 resumed steps, bit for bit."""
     killed = run_dit(tmp_path, train_args(folder_data, tmp_path / "resumed", 6,
@@ -2491,6 +2496,7 @@ def test_resume_is_exact_after_kill(tmp_path, folder_data, straight_run):
     assert [r["step"] for r in records(tmp_path / "branch") if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_a_run_goes_on_from_a_read_only_copy_with_its_history(tmp_path, folder_data,
                                                                straight_run):
     """The way from one Kaggle version to the next: a run's folder as the next version mounts it
@@ -2709,6 +2715,7 @@ def test_dispersive_loss_in_micro_batches_compares_each_ones_samples():
         assert logged[2] != pytest.approx(other, rel=1e-2)
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_grad_accum_trains_and_resumes_as_the_whole_batch(tmp_path, folder_data, straight_run):
     """--grad-accum is no setting of a run: 3 steps in 4 micro-batches on one device, resumed in 2
     a device over two devices, end at step 6 where the run of whole batches does, with its
@@ -2814,6 +2821,7 @@ dit.Loader.batch = batch_and_signal
 """
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, folder_data, straight_run):
     """Ctrl-C (SIGINT) during a run's first steps ends it after a whole step, with a checkpoint of
     that step and one line that says so; the same command then ends as the uninterrupted run, bit
@@ -3012,6 +3020,7 @@ def test_a_share_of_the_time_passes_against_the_deadline(monkeypatch):
     assert stop.past(0.9, 5) and not unbounded.past(0.01, 5)
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_time_limited_run_shows_its_progress_against_the_limit(tmp_path, folder_data,
                                                                straight_run):
     """The README's command for runs bounded by time (`--steps 100000000 --time-limit 20m`) at a
@@ -3145,6 +3154,7 @@ def masked_run(tmp_path_factory, folder_data):
     return run_dir
 
 @slow
+@pytest.mark.xdist_group("masked_run")
 def test_masked_training_resumes_exactly(tmp_path, folder_data, masked_run):
     """With deferred masking, a run resumed at step 2 (a masked step, then the final phase on every
     patch) ends bit for bit as the uninterrupted one. The masking is recorded and defines the run;
@@ -3184,6 +3194,7 @@ dit.jit_train_step = ticking
 """
 
 @slow
+@pytest.mark.xdist_group("masked_run")
 def test_a_share_of_a_time_limited_run_ends_masking_and_resumes_exactly(tmp_path, folder_data,
                                                                        masked_run):
     """`--unmask-at 60%` under `--time-limit 4s`, a step a second: 60% of the time (2.4 s) comes
@@ -3216,6 +3227,7 @@ def test_a_share_of_a_time_limited_run_ends_masking_and_resumes_exactly(tmp_path
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{run_dir}: {k}")
 
 @slow
+@pytest.mark.xdist_group("masked_run")
 def test_eight_devices_with_fsdp_equal_one(tmp_path, folder_data, masked_run):
     """The 8 devices of a TPU v3-8 sharing the batch (one sample each) and, with --fsdp, the
     parameters and optimizer state == 1 device, over three steps with deferred masking (each image
@@ -3301,6 +3313,7 @@ def two_hosts(tmp_path_factory, folder_data):
     return run_dir, run_two_hosts(tmp_path, folder_data, [run_dir, run_dir], 3)[0]
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_two_hosts_equal_one(two_hosts, straight_run):
     """2 processes x 2 devices == 1 process x 1 device."""
     run_dir, out = two_hosts
@@ -3308,6 +3321,7 @@ def test_two_hosts_equal_one(two_hosts, straight_run):
     assert_states_close(state_at(straight_run, 3), final_state(run_dir)[1])
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_hosts_with_their_own_disks_stop_together_and_resume_exactly(tmp_path, folder_data,
                                                                      two_hosts):
     """Each process's run directory is a folder of its own, as on the local disks of a TPU pod
@@ -3448,6 +3462,7 @@ def course_train(inception_weights):
             "--sample-steps", "2", "--inception", inception_weights]
 
 @slow
+@pytest.mark.xdist_group("course_data")
 def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception_weights):
     """The course on 2 hosts x 8 devices, each host with its own copy of the prepared data: step
     3's training with 1,000 held-out images (which 16 devices do not split), stopped by a SIGTERM
@@ -3500,6 +3515,7 @@ def test_course_on_a_pod_slice_with_local_disks(tmp_path, course_data, inception
             assert f["arr_0"].shape == (16, 8, 8, 3)
 
 @slow
+@pytest.mark.xdist_group("course_data")
 def test_course_host_without_the_fid_reference_ends_every_host(tmp_path, course_data,
                                                                inception_weights):
     """Host 1 lacks the FID reference that host 0 has: both end before the first step, in one
@@ -3599,12 +3615,14 @@ def test_batch_that_does_not_split_over_the_devices_is_refused(tmp_path, folder_
     assert out.returncode != 0 and "does not split over 4 devices" in out.stderr
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_run_dir_of_another_run_is_refused(tmp_path, folder_data, straight_run):
     out = run_dit(tmp_path, train_args(folder_data, straight_run, 2, ["--objective", "ddpm"]),
                   check=False)
     assert out.returncode != 0 and "holds another run" in out.stderr and "objective" in out.stderr
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_checkpoint_of_another_model_size_is_refused(straight_run):
     meta, arrays = final_state(straight_run)
     cfg = dit.DiTConfig(**{**meta["model"], "hidden_size": 64, "num_heads": 2})
@@ -3836,6 +3854,7 @@ def test_export_sample_and_fid_samples(tmp_path, folder_data):
         assert np.bincount(f["labels"]).tolist() == [5, 5]
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_data, monkeypatch,
                                                             straight_run):
     """A run's final FID and `sample --fid` of its EMA weights, at the same guidance (the setting a
@@ -4328,6 +4347,7 @@ def test_readme_tables_of_runs_are_their_reports(tmp_path, heading):
         tmp_path / "report" / "curves.png").size
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypatch, capsys):
     """`sample --fid --ref` on a run's exported weights adds the scores it prints to the run's
     metrics.jsonl at the step the weights were exported from; `report` draws them, and counts the
@@ -4375,6 +4395,7 @@ def test_report_of_a_run_and_its_guidance_sweep(tmp_path, straight_run, monkeypa
             f"({os.strerror(errno.EROFS)}); the scores are printed only") in capsys.readouterr().out
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_autoguidance_sweep_by_the_runs_kept_ema(tmp_path, straight_run, monkeypatch):
     """`sample --fid --guide EMA --guide-scale 1,2,3` on a run's weights, guided by the EMA that
     the run kept at step 3: three rows from the same noise (weight 1, the model alone, as without
@@ -4409,6 +4430,7 @@ def test_autoguidance_sweep_by_the_runs_kept_ema(tmp_path, straight_run, monkeyp
     assert xy(panels(report.figure)["FID by guidance (newest sweep)"].lines[0])[0].tolist() == [1.5]
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_a_guide_that_cannot_guide_is_named_with_the_model(tmp_path, straight_run):
     """A guide of another objective or latent scale (or input, patch or class count) ends the
     command in one line that names both files and what differs, before anything is sampled."""
@@ -4486,6 +4508,7 @@ def test_counts_out_of_range_are_refused_by_the_parser(argv, least):
         dit.main(argv)
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_run):
     """A rectified-flow model has no DDPM samplers, and a model trained without label dropout no
     null label to guide with: both are refused before sampling."""
@@ -4508,6 +4531,7 @@ def test_sampling_options_the_model_cannot_serve_are_named(tmp_path, straight_ru
         dit.main(["sample", "--ckpt", ckpt, "--cfg-scale", "1,2"])
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_sample_fid_compares_guidance_settings_from_the_same_noise(tmp_path, straight_run):
     """`sample --fid N --cfg-scale 1.5,4` samples once per scale from the same noise, so each set is
     the one that scale alone gives; without --cfg-scale, FID samples use FID_CFG_SCALE (1.5), not
@@ -4524,6 +4548,7 @@ def began(*args, **kwargs):
     raise AssertionError("the work began before the output path was checked")
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_every_command_refuses_an_unusable_output_path_before_its_work(tmp_path, folder_data,
                                                                        straight_run, monkeypatch):
     """An output under a regular file (refused to root too), or a file's output that is a folder:
@@ -4839,6 +4864,7 @@ sys.modules["google.colab"] = types.SimpleNamespace(drive=types.SimpleNamespace(
 """
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_notebook_runs_the_readme_cells(kernel, tmp_path, folder_data, straight_run):
     """The README's notebook cells, with fid.py's and dit.py's text pasted into cells, and the
     platforms' folders in the test's, its data and tiny model. On Kaggle, a saved version's training
@@ -5377,7 +5403,7 @@ def test_fid_inception_matches_pytorch_fid(inception, name):
 def test_fid_inception_multiplies_in_float32_on_every_backend():
     """Every product of the InceptionV3 asks XLA for HIGHEST precision, so that FID does not depend
     on the device (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs otherwise)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: fid.InceptionV3(rngs=nnx.Rngs(0))))
+    graphdef, state = dit.module_shapes(fid.InceptionV3)
     found = products(lambda s, x: nnx.merge(graphdef, s)(x), state,
                      jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.uint8))
     # every conv and the fc layer, and the resize's two products
@@ -5992,7 +6018,7 @@ def tiny_config(objective, arch="dit", **overrides):
 
 def abstract_dit(cfg, dtype=jnp.float32):
     """(graphdef, parameter shapes) of a DiT, nothing initialised."""
-    return nnx.split(nnx.eval_shape(lambda: dit.DiTPlus(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    return dit.module_shapes(dit.DiTPlus, cfg, dtype=dtype)
 
 @pytest.fixture
 def xla_attention(monkeypatch):
@@ -7045,6 +7071,7 @@ def test_sweep_settings_follow_the_model_and_its_kept_guides(tmp_path):
         (1.0, None, (None, 1.0)), (1.0, None, ("g", 2.0)), (1.0, None, ("g", 3.0))]
 
 @slow
+@pytest.mark.xdist_group("straight_run")
 def test_sample_scores_the_runs_guidance_sweep(tmp_path, straight_run, monkeypatch):
     """`sample --fid N --guidance-sweep` samples and scores each setting of the sweep at N, guided
     by the run's kept EMA nearest half the weights' step (3 and 6 kept, step 9: the earlier), a
