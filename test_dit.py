@@ -13,6 +13,7 @@ Run: python -m pytest -q test_dit.py -n 3 --dist loadgroup (README, Tests)
 import argparse
 import ast
 import base64
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -182,21 +183,29 @@ class RunsCommand:
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
 
-# Every run below trains this tiny model in a fresh process, so that the number of devices (set by
-# XLA_FLAGS before jax starts) and jax.distributed can differ between runs. It ends as
+# Every run below trains this tiny model (DiT-XS as TINY_XS makes it). Runs on several devices, or
+# with a patch, run in a fresh process, so that the number of devices (set by XLA_FLAGS before jax
+# starts), jax.distributed and the patched names can differ between runs; the process ends as
 # `python dit.py` does: a mistake of the user's in one line; and as it does, it imports fid.py (and
 # SciPy) only where the run needs FID. Flax imports IPython where it is installed (as the notebook
 # tests need), to ask whether it runs in a notebook: half a second of each process's start, where
-# the answer is no.
+# the answer is no. A run on one device with nothing patched runs in the test's own process, whose
+# one device and compiler flags are those of such a process: a process's start (about 2 s of CPU)
+# is much of a short run's cost.
+TINY_XS = dict(hidden_size=32, depth=2, num_heads=2)
 DRIVER = """
 import os, sys
 sys.path.insert(0, {here!r})
 sys.modules["IPython"] = None
 import dit
-dit.DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)
+dit.DIT_SIZES["XS"] = {tiny}
 {patch}
 dit.run_cli(dit.main)
 """
+
+def driver_text(patch=""):
+    """DRIVER with `patch`."""
+    return DRIVER.format(here=HERE, tiny=TINY_XS, patch=patch)
 
 # Runs a command and writes its exit status and peak resident memory (KiB) to a file. The peak that
 # os.wait4 reports counts what the process the command was forked from held, so the command is
@@ -222,11 +231,30 @@ def run_python(args, env, cwd=None):
             status, peak = map(int, f.read().split())
     return subprocess.CompletedProcess(args, status, proc.stdout, proc.stderr), peak
 
+def run_here(args):
+    """`python dit.py *args` as DRIVER runs it, in this process: a CompletedProcess."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sizes = dict(dit.DIT_SIZES)
+    dit.DIT_SIZES["XS"] = TINY_XS
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            dit.run_cli(dit.main, args)
+    except SystemExit as e:  # as Python ends on it: a message to stderr, status 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            err.write(e.code + "\n")
+    finally:
+        dit.DIT_SIZES.clear()
+        dit.DIT_SIZES.update(sizes)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
 def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(here=HERE, patch=patch))
-    env = {**process_env(devices), **(env or {})}
-    proc, _ = run_python([str(script), *args], env)
+    if devices == 1 and not patch and not env:
+        proc = run_here(args)
+    else:
+        script = tmp_path / "driver.py"
+        script.write_text(driver_text(patch))
+        proc, _ = run_python([str(script), *args], {**process_env(devices), **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"dit.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-3000:]}")
@@ -2866,8 +2894,7 @@ def test_a_run_directory_holds_one_run_and_a_killed_holder_lets_go(tmp_path, fol
     run_dir, marker = tmp_path / "run", tmp_path / "holding"
     args = train_args(folder_data, run_dir, 3)
     script = tmp_path / "holder.py"
-    script.write_text(DRIVER.format(here=HERE, patch=WAIT_AT_SECOND_BATCH.format(
-        marker=str(marker))))
+    script.write_text(driver_text(WAIT_AT_SECOND_BATCH.format(marker=str(marker))))
     holder = subprocess.Popen([sys.executable, str(script), *args], env=process_env(1),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -3275,7 +3302,7 @@ def two_processes(tmp_path, argvs, devices=2, patch="", cwds=(None, None)):
     (JAX reads the task count and index from SLURM's variables)."""
     port = free_port()
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(here=HERE, patch=patch))
+    script.write_text(driver_text(patch))
     env = process_env(devices)
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
              "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
@@ -3684,7 +3711,7 @@ def tiny_job(tmp_path, name, args, patch="", replace=()):
     line dropped, paths in tmp_path, and dit.py's arguments up to --run-dir replaced by `args`
     (a driver that trains the tiny model, as run_dit's)."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(here=HERE, patch=patch))
+    driver.write_text(driver_text(patch))
     script = readme_job_script(name)
     script = re.sub(r"^#SBATCH --partition=gpu.*\n|^source .*\n", "", script, flags=re.M)
     script = script.replace("/scratch/network/$USER", str(tmp_path))
@@ -3792,7 +3819,7 @@ def test_srun_with_two_tasks_trains_one_run_over_two_processes(tmp_path, slurm, 
     """`srun --ntasks=2`: jax.distributed joins the two tasks from SLURM's variables, each with
     one CPU device and half of each batch, into one run equal to one process's."""
     run_dir, driver = tmp_path / "run", tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(here=HERE, patch=""))
+    driver.write_text(driver_text())
     out = subprocess.run(["srun", "--ntasks=2", "--cpus-per-task=1", "--time=5", sys.executable,
                           str(driver), *train_args(folder_data, run_dir, 3, VALIDATION)],
                          cwd=tmp_path, env=process_env(1), capture_output=True, text=True,
