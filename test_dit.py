@@ -2772,9 +2772,10 @@ def test_a_step_that_does_not_fit_the_device_ends_in_one_line_with_what_fits(
     micro-batches it names then fit under the same limit."""
     limit = [1]
     monkeypatch.setattr(dit, "device_memory", lambda device: limit[0])
-    # 64 samples of 16 tokens: activations outweigh the small model's parameters
+    monkeypatch.setitem(dit.DIT_SIZES, "XS", TINY_XS)
+    # 64 samples of 16 tokens: activations outweigh the tiny model's parameters
     args = lambda k: train_args(folder_data, tmp_path / f"run{k}", 1, [  # noqa: E731
-        "--size", "XXS", "--batch-size", "64", "--grad-accum", str(k)])
+        "--batch-size", "64", "--grad-accum", str(k)])
     with pytest.raises(dit.InputError) as e:
         dit.main(args(1))
     line = str(e.value)
@@ -3890,6 +3891,7 @@ def test_training_fid_and_sample_fid_score_the_same_samples(tmp_path, folder_dat
     ref = tmp_path / "ref.npz"
     np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
     monkeypatch.setattr(fid, "load_inception", lambda *args, **kwargs: None)
+    monkeypatch.setitem(dit.DIT_SIZES, "XS", TINY_XS)
     fed = []
 
     def scores(images, ref, inception):
@@ -4866,7 +4868,7 @@ def kernel(tmp_path):
     yield k
     k.close()
 
-TINY = 'DIT_SIZES["XS"] = dict(hidden_size=32, depth=2, num_heads=2)'
+TINY = f'DIT_SIZES["XS"] = {TINY_XS}'
 
 def readme_cells():
     """{number: text} of the Python cells in the README's Notebooks section; the third, one for each
@@ -7023,6 +7025,7 @@ def test_final_fid_at_the_guidance_its_sweep_chose(tmp_path, folder_data, monkey
     np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
     fed = []
     stub_sampling(monkeypatch, fed)
+    monkeypatch.setitem(dit.DIT_SIZES, "XS", TINY_XS)
     run_dir = tmp_path / "run"
     dit.main(train_args(folder_data, run_dir, 12, ["--final-fid", "45", "--fid-ref", str(ref)]))
     assert sorted(os.listdir(run_dir / "ema")) == [f"step_{s:07d}.safetensors" for s in (3, 6, 12)]
@@ -7063,6 +7066,7 @@ def test_a_fid_option_fixes_the_guidance(tmp_path, folder_data, monkeypatch):
     np.savez(ref, mu=np.zeros(4), sigma=np.eye(4))
     fed = []
     stub_sampling(monkeypatch, fed)
+    monkeypatch.setitem(dit.DIT_SIZES, "XS", TINY_XS)
     run_dir = tmp_path / "run"
     dit.main(train_args(folder_data, run_dir, 3, ["--final-fid", "12", "--fid-ref", str(ref),
                                                    "--fid-cfg-scale", "4"]))
@@ -7200,11 +7204,13 @@ def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
         assert fields, line
         assert float(fields[1]) * 2 ** {"MiB": 20, "GiB": 30}[fields[2]] > 4 * millions * 1e6
 
-@slow  # the training step compiled for a V100: 10 s
+@slow
 def test_target_pixel_run_has_no_vae(capsys, monkeypatch):
     """A run on pixels (MNIST's 28x28x1) decodes and encodes nothing: its one program beside the
-    model's is the FID Inception, of its images as they are."""
+    model's is the FID Inception, of its images as they are. Nothing is compiled (the training
+    step for a V100: 10 s); test_target_gpu_compiles_a_tiny_run compiles each program."""
     lowered = []
+    monkeypatch.setattr(dit, "step_memory", lambda compiled, config, limit: (None, "not compiled"))
     monkeypatch.setattr(dit, "compiled_line", lambda name, compile, limit: lowered.append(name))
     dit.main(["bench", "--target", "v100-16gb", *TINY_RUN[:4], "--image-size", "28", "--channels",
               "1", "--batch-size", "16"])
