@@ -41,6 +41,7 @@ import threading
 import time
 import tracemalloc
 import types
+import unittest.mock
 import urllib.error
 import urllib.request
 import warnings
@@ -234,18 +235,14 @@ def run_python(args, env, cwd=None):
 def run_here(args):
     """`python dit.py *args` as DRIVER runs it, in this process: a CompletedProcess."""
     out, err, code = io.StringIO(), io.StringIO(), 0
-    sizes = dict(dit.DIT_SIZES)
-    dit.DIT_SIZES["XS"] = TINY_XS
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with (unittest.mock.patch.dict(dit.DIT_SIZES, XS=TINY_XS),
+              contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
             dit.run_cli(dit.main, args)
     except SystemExit as e:  # as Python ends on it: a message to stderr, status 1
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if isinstance(e.code, str):
             err.write(e.code + "\n")
-    finally:
-        dit.DIT_SIZES.clear()
-        dit.DIT_SIZES.update(sizes)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 def run_dit(tmp_path, args, devices=1, patch="", check=True, env=None):
