@@ -6043,10 +6043,6 @@ def tiny_config(objective, arch="dit", **overrides):
                                    learn_sigma=dit.OBJECTIVES[objective].learn_sigma),
                             **dit.ARCHS[arch], **overrides})
 
-def abstract_dit(cfg, dtype=jnp.float32):
-    """(graphdef, parameter shapes) of a DiT, nothing initialised."""
-    return dit.module_shapes(dit.DiTPlus, cfg, dtype=dtype)
-
 @pytest.fixture
 def xla_attention(monkeypatch):
     """The attention that TPUs run (and float32 models and NVIDIA GPUs before Ampere), whatever the
@@ -6143,7 +6139,8 @@ def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precisio
     smaller network (as XS guides S) in the same program."""
     every_switch = {name: True for name in dit.ARCHS["dit"]}
     dtype = dit.compute_dtype(precision)
-    graphdef, params = abstract_dit(tiny_config(objective, **every_switch), dtype)
+    graphdef, params = dit.module_shapes(dit.DiTPlus, tiny_config(objective, **every_switch),
+                                        dtype=dtype)
     guide = dit.DiTPlus(tiny_config(objective, **every_switch, hidden_size=16), dtype=dtype,
                         rngs=nnx.Rngs(0)) if autoguided else None
     trajectory = method in ("heun", "ddim")
@@ -6174,8 +6171,9 @@ def test_autoencoder_lowers_for_tpu_and_cuda(monkeypatch):
         nnx.merge(graphdef, state), x)), state, spec((2, 16, 16, 3), jnp.uint8))
     assert encode.out_avals[0].shape == (2, 2, 8, 8, 8)
     monkeypatch.setattr(dit, "DECODE_CHUNK", 3)
-    sampler = dit.Sampler(abstract_dit(tiny_config("rf"))[0], dit.make_objective("rf"),
-                          dit.make_mesh(), steps=2, method="euler", cfg_scale=1.0, vae=vae,
+    graphdef, _ = dit.module_shapes(dit.DiTPlus, tiny_config("rf"))
+    sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=2,
+                          method="euler", cfg_scale=1.0, vae=vae,
                           latent_scale=vae.cfg.scaling_factor)
     decode = lower(sampler.finish, sampler.vae_params, spec((7, 8, 8, 4)))
     assert decode.out_avals[0].shape == (7, 16, 16, 3)
@@ -6213,7 +6211,7 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
                     "jax.nn.dot_product_attention(implementation='cudnn') asks the installed "
                     "cuDNN for its version while it traces; this test runs where CUDA does")
     assert all(target in step.mlir_module() for target in fused)
-    graphdef, params = abstract_dit(cfg, jnp.bfloat16)
+    graphdef, params = dit.module_shapes(dit.DiTPlus, cfg, dtype=jnp.bfloat16)
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=2,
                           method="heun", cfg_scale=1.5)
     run = lower(sampler.run, params, None, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
@@ -6236,7 +6234,8 @@ def lower_on_a_v3_8(vae_dir):
             "devices": step.nr_devices, "batch": list(shardings[-2].spec),
             "split_state": sum(any(s.spec) for s in shardings[:-2])}
     vae = dit.load_decoder(vae_dir, 4, dit.vae_dtype("bf16"))
-    graphdef, params = abstract_dit(tiny_config("rf", "dit+"), jnp.bfloat16)
+    graphdef, params = dit.module_shapes(dit.DiTPlus, tiny_config("rf", "dit+"),
+                                        dtype=jnp.bfloat16)
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), mesh, steps=2, method="heun",
                           cfg_scale=1.5, vae=vae, latent_scale=vae.cfg.scaling_factor)
     noise = spec((8, 8, 8, 4))
