@@ -783,12 +783,15 @@ def make_train_step(graphdef, objective, tx, ema_decay, seed, ema_warmup=False,
 #                                  7. Sampling                                  #
 #################################################################################
 
+def guides(cfg_scale):
+    """Whether CFG at this scale guides: any traced scale does."""
+    return isinstance(cfg_scale, jax.core.Tracer) or cfg_scale != 1
+
 def check_guidance(cfg, cfg_scale, internal_scale=1.0):
-    """InputError for CFG without a null label (no label dropout) or internal guidance without an
-    internal head."""
-    if cfg_scale != 1 and cfg.num_classes and not cfg.class_dropout_prob:
-        raise InputError(f"guidance scale {cfg_scale:g}: the model was trained without label "
-                         f"dropout, so it has no null label to guide with; sample at scale 1")
+    """InputError for CFG without a null label or internal guidance without an internal head."""
+    if guides(cfg_scale) and cfg.num_classes and not cfg.class_dropout_prob:
+        raise InputError("classifier-free guidance: the model was trained without label dropout, "
+                         "so it has no null label to guide with; sample at scale 1")
     if internal_scale != 1 and not cfg.internal_block:
         raise InputError(f"internal guidance {internal_scale:g}: the model has no internal head; "
                          f"train it with --internal-guidance, or sample at scale 1")
@@ -798,7 +801,7 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
            return_trajectory=False):
     """Samples (B, H, W, C) from noise and labels (B,), guided by CFG, by `guide` (autoguidance,
     Karras et al. 2024: guide + w (model - guide)) and internally (internal + w (final - internal)).
-    Pure; jit it."""
+    Jit it."""
     check_guidance(model.cfg, cfg_scale, internal_scale)
     n = noise.shape[0]
     c = min(guidance_channels or model.cfg.in_channels, model.cfg.in_channels)
@@ -809,7 +812,7 @@ def sample(model, objective, noise, y, key, *, steps, method, cfg_scale=1.0, gui
             out, hidden = model.forward(x, t, y)                     # (B, H, W, C_out)
             inner = hidden["internal"][..., :c]
             return out.at[..., :c].set(inner + internal_scale * (out[..., :c] - inner))
-    if cfg_scale != 1 and model.cfg.num_classes:
+    if guides(cfg_scale) and model.cfg.num_classes:
         x = jnp.concatenate([noise, noise])
         y2 = jnp.concatenate([y, jnp.full_like(y, model.cfg.num_classes)])
         model_fn = lambda x, t: model.forward_with_cfg(  # noqa: E731
@@ -3330,7 +3333,9 @@ def load_decoder(source, channels, dtype):
     return vae
 
 # (VAE weights, samples (B, h, w, C)) -> uint8 images (B, H, W, 3), jitted; pixels without a VAE.
-# Samples are decoded and made uint8 on the device too: only bytes travel to the host.
+# Samples are decoded and made uint8 on the device too: only bytes travel to the host. One program
+# for each mesh and VAE, which every Sampler of them shares (a guidance sweep's).
+@functools.cache
 def decoder(mesh, vae_graphdef, latent_scale):
     batch = NamedSharding(mesh, P("data"))
 
@@ -3347,25 +3352,32 @@ def decoder(mesh, vae_graphdef, latent_scale):
 
     return jax.jit(finish, in_shardings=(None, batch), out_shardings=batch)
 
+# (weights, guide's weights, noise, labels, key, CFG scale) -> samples, jitted: one program for each
+# model, guide, objective, mesh, sample()'s other options and whether CFG guides. The scale is an
+# argument: a guidance sweep's scales share a program, and a run's next evaluation compiles none.
+@functools.cache
+def sampler_program(graphdef, guide_graphdef, objective, mesh, guided, options):
+    batch = NamedSharding(mesh, P("data"))
+
+    def run(params, guide_params, noise, y, key, cfg_scale):  # named, as compilation logs say
+        guide = nnx.merge(guide_graphdef, guide_params) if guide_graphdef else None
+        return sample(nnx.merge(graphdef, params), objective, noise, y, key, guide=guide,
+                      cfg_scale=cfg_scale if guided else 1.0, **dict(options))
+
+    return jax.jit(run, in_shardings=(None, None, batch, batch, None, None))
+
 class Sampler:
-    """uint8 samples from weights over the mesh, jitted once; latents decoded DECODE_CHUNK per
-    device at a time."""
+    """uint8 samples from weights over the mesh, decoded DECODE_CHUNK a device at a time."""
 
     def __init__(self, graphdef, objective, mesh, *, vae=None, latent_scale=None, guide=None,
-                 **options):
-        # options: sample()'s (steps, method, cfg_scale, ..., return_trajectory)
+                 cfg_scale=1.0, **options):
+        # options: sample()'s others (steps, method, guidance_channels, ..., return_trajectory)
         self.trajectory = options.get("return_trajectory", False)
-        batch = NamedSharding(mesh, P("data"))
-        guide_graphdef = nnx.graphdef(guide) if guide is not None else None
         self.guide_params = (replicated(nnx.state(guide, nnx.Param), mesh)
                              if guide is not None else None)
-
-        def run(params, guide_params, noise, y, key):  # named, as compilation logs and profiles say
-            guide = nnx.merge(guide_graphdef, guide_params) if guide_graphdef else None
-            return sample(nnx.merge(graphdef, params), objective, noise, y, key, guide=guide,
-                          **options)
-
-        self.run = jax.jit(run, in_shardings=(None, None, batch, batch, None))
+        self.cfg_scale, self.mesh = np.float32(cfg_scale), mesh
+        self.run = sampler_program(graphdef, nnx.graphdef(guide) if guide is not None else None,
+                                   objective, mesh, cfg_scale != 1, tuple(sorted(options.items())))
         vae_graphdef, vae_params = nnx.split(vae) if vae is not None else (None, None)
         self.vae_params = replicated(vae_params, mesh)
         self.finish = decoder(mesh, vae_graphdef, latent_scale)
@@ -3378,7 +3390,8 @@ class Sampler:
     def __call__(self, params, noise, y, key):
         """Images of noise and labels; with return_trajectory, <= 60 frames (F, B, ...) too."""
         start = time.perf_counter()
-        out = jax.block_until_ready(self.run(params, self.guide_params, noise, y, key))
+        scale = jax.device_put(self.cfg_scale, NamedSharding(self.mesh, P()))
+        out = jax.block_until_ready(self.run(params, self.guide_params, noise, y, key, scale))
         sampled = time.perf_counter()
         if self.trajectory:
             x, traj = out
@@ -3947,7 +3960,8 @@ def bench_target(config):
         params = state["params"]
         print(compiled_line(f"sample:  {objective.default_method}, {objective.default_steps} "
                             f"steps, guidance {FID_CFG_SCALE}, batch {n}",
-                            functools.cache(sampler.run.lower(params, None, x, y, key).compile),
+                            functools.cache(sampler.run.lower(params, None, x, y, key,
+                                                              sampler.cfg_scale).compile),
                             limit))
         bench_target_images(config, mesh, shaped, x, limit)
     finally:

@@ -3954,6 +3954,30 @@ print(json.dumps([compile(chunked, n).memory_analysis().temp_size_in_bytes for n
     temp = json.loads(out.splitlines()[-1])
     assert temp[1] < 1.2 * temp[0], temp
 
+def test_guidance_scales_share_one_compiled_sampler():
+    """A sweep's CFG scales, and its decoder, share one compiled program each, whose samples at
+    each scale are sample()'s with the scale fixed; unguided sampling has a program of its own."""
+    cfg, objective = tiny_config("rf"), dit.make_objective("rf")
+    model = dit.DiT(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)  # off adaLN-Zero's start, where labels change no output
+    graphdef, params = nnx.graphdef(model), jax.tree.map(
+        lambda a: a + 0.1 * rng.standard_normal(a.shape, np.float32), nnx.state(model, nnx.Param))
+    samplers = [dit.Sampler(graphdef, objective, dit.make_mesh(), steps=2, method="heun",
+                            cfg_scale=scale) for scale in (1.0, 1.5, 4.0)]
+    assert samplers[1].run is samplers[2].run is not samplers[0].run
+    assert samplers[0].finish is samplers[1].finish is samplers[2].finish
+    noise = jax.random.normal(jax.random.key(1), (4, 8, 8, 4))
+    y, key = jnp.array([0, 1, 2, 0]), jax.random.key(2)
+    for sampler in samplers:
+        fixed = jax.jit(lambda params: dit.sample(
+            nnx.merge(graphdef, params), objective, noise, y, key, steps=2, method="heun",
+            cfg_scale=float(sampler.cfg_scale)))
+        np.testing.assert_array_equal(sampler.run(params, None, noise, y, key, sampler.cfg_scale),
+                                      fixed(params))
+    assert samplers[1].run._cache_size() == 1
+    assert not np.array_equal(*(s.run(params, None, noise, y, key, s.cfg_scale)
+                                for s in samplers[1:]))
+
 #################################################################################
 #                                 14. Benchmark                                 #
 #################################################################################
@@ -6150,10 +6174,10 @@ def test_sampling_lowers_for_tpu_and_cuda(objective, method, cfg_scale, precisio
                           return_trajectory=trajectory)
     noise, y = spec((4, 8, 8, 4)), spec((4,), jnp.int32)
     run = lower(sampler.run, params, sampler.guide_params, noise, y,
-                jax.eval_shape(lambda: jax.random.key(0)))
-    # the guide's weights are the program's inputs, not constants folded into it
+                jax.eval_shape(lambda: jax.random.key(0)), sampler.cfg_scale)
+    # the guide's weights and the CFG scale are the program's inputs, not constants folded into it
     guide_inputs = len(jax.tree.leaves(sampler.guide_params))
-    assert len(run.in_avals) == len(jax.tree.leaves(params)) + guide_inputs + 3
+    assert len(run.in_avals) == len(jax.tree.leaves(params)) + guide_inputs + 4
     assert (guide_inputs > 0) == autoguided
     assert run.out_avals[0].shape == (4, 8, 8, 4) and len(run.out_avals) == 1 + trajectory
     images = lower(sampler.finish, None, noise)
@@ -6215,7 +6239,7 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     sampler = dit.Sampler(graphdef, dit.make_objective("rf"), dit.make_mesh(), steps=2,
                           method="heun", cfg_scale=1.5)
     run = lower(sampler.run, params, None, spec((4, 8, 8, 4)), spec((4,), jnp.int32),
-                jax.eval_shape(lambda: jax.random.key(0)), **cuda)
+                jax.eval_shape(lambda: jax.random.key(0)), sampler.cfg_scale, **cuda)
     assert fused[0] in run.mlir_module()
 
 def lower_on_a_v3_8(vae_dir):
@@ -6240,7 +6264,8 @@ def lower_on_a_v3_8(vae_dir):
                           cfg_scale=1.5, vae=vae, latent_scale=vae.cfg.scaling_factor)
     noise = spec((8, 8, 8, 4))
     found["sample"] = lower(sampler.run, params, None, noise, spec((8,), jnp.int32),
-                            jax.eval_shape(lambda: jax.random.key(0))).nr_devices
+                            jax.eval_shape(lambda: jax.random.key(0)),
+                            sampler.cfg_scale).nr_devices
     found["decode"] = lower(sampler.finish, sampler.vae_params, noise).nr_devices
     graphdef, state = nnx.split(vae)
     split = NamedSharding(mesh, P("data"))
