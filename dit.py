@@ -3354,7 +3354,7 @@ def decoder(mesh, vae_graphdef, latent_scale):
 
 # (weights, guide's weights, noise, labels, key, CFG scale) -> samples, jitted: one program for each
 # model, guide, objective, mesh, sample()'s other options and whether CFG guides. The scale is an
-# argument: a guidance sweep's scales share a program, and a run's next evaluation compiles none.
+# argument: a guidance sweep's scales share a program, which the run's next sweep reuses.
 @functools.cache
 def sampler_program(graphdef, guide_graphdef, objective, mesh, guided, options):
     batch = NamedSharding(mesh, P("data"))
