@@ -3377,7 +3377,7 @@ class Sampler:
                              if guide is not None else None)
         self.cfg_scale, self.mesh = np.float32(cfg_scale), mesh
         self.run = sampler_program(graphdef, nnx.graphdef(guide) if guide is not None else None,
-                                   objective, mesh, cfg_scale != 1, tuple(sorted(options.items())))
+                                   objective, mesh, guides(cfg_scale), tuple(sorted(options.items())))
         vae_graphdef, vae_params = nnx.split(vae) if vae is not None else (None, None)
         self.vae_params = replicated(vae_params, mesh)
         self.finish = decoder(mesh, vae_graphdef, latent_scale)
