@@ -6914,6 +6914,10 @@ def test_tensorboard_holds_each_step_once(tmp_path, monkeypatch, capsys):
     resumed at step 3 replaces what an earlier process logged after step 3. Without the
     tensorboard package, one line says so."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+    # The two writers stand for two processes, whose files sort by the second each opened its own;
+    # within one second they sort by a per-process counter compared as text ("10" before "9").
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
     first = dit.TensorBoard(str(tmp_path), 0)
     for step in range(1, 6):
         first.scalars({"step": step, "loss": 1.0 / step, "loss_t": {"0.00-0.25": 2.0, "x": None}})
