@@ -270,8 +270,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions=None):  # (B, T, D) -> (B, T, D)
         B, T, D = x.shape
-        qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
-        q, k, v = qkv.transpose(2, 0, 1, 3, 4)  # each (B, T, H, D/H)
+        H, dtype = self.num_heads, self.qkv.dtype or x.dtype
+        # q, k and v each from its third of the fused weight: three products that cuDNN's attention
+        # reads as they are, where one (B, T, 3D) product is split by copying all three.
+        kernel, bias = (jnp.split(w[...].astype(dtype), 3, axis=-1)
+                        for w in (self.qkv.kernel, self.qkv.bias))
+        q, k, v = ((x.astype(dtype) @ w + b).reshape(B, T, H, D // H)  # each (B, T, H, D/H)
+                   for w, b in zip(kernel, bias))
         return self.proj(self.attend(q, k, v, positions).reshape(B, T, D))
 
     def attend(self, q, k, v, positions):  # softmax(q k^T / sqrt(D/H)) v, each (B, T, H, D/H)
@@ -860,6 +865,14 @@ def recompute_call(method, module, *args, remat):
     graphdef, state = nnx.split(module)
     pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
     return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, *args)
+
+# On NVIDIA GPUs, cuBLAS for every matrix product rather than XLA's Triton kernels, which ran
+# DiT-S/2's forward pass 13% and its training step 3% slower on an H200 (README, Speed). XLA reads
+# XLA_FLAGS once, as JAX starts its backend: a notebook that used JAX before this code ran keeps its
+# setting, as does a user who sets the flag.
+if "--xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = ("--xla_gpu_enable_triton_gemm=false "
+                               + os.environ.get("XLA_FLAGS", ""))
 
 # The devices that programs are traced and compiled for (run_devices): the machine's, or where
 # `bench --target` compiles for a device that the machine lacks, that device's (section 19), so
