@@ -271,11 +271,12 @@ class Attention(nnx.Module):
     def __call__(self, x, positions=None):  # (B, T, D) -> (B, T, D)
         B, T, D = x.shape
         H, dtype = self.num_heads, self.qkv.dtype or x.dtype
+        x = x.astype(dtype)
         # q, k and v each from its third of the fused weight: three products that cuDNN's attention
         # reads as they are, where one (B, T, 3D) product is split by copying all three.
         kernel, bias = (jnp.split(w[...].astype(dtype), 3, axis=-1)
                         for w in (self.qkv.kernel, self.qkv.bias))
-        q, k, v = ((x.astype(dtype) @ w + b).reshape(B, T, H, D // H)  # each (B, T, H, D/H)
+        q, k, v = ((x @ w + b).reshape(B, T, H, D // H)  # each (B, T, H, D/H)
                    for w, b in zip(kernel, bias))
         return self.proj(self.attend(q, k, v, positions).reshape(B, T, D))
 

@@ -7231,8 +7231,8 @@ def test_target_gpu_compiles_a_tiny_run(capsys, monkeypatch):
     # From Ampere on, XLA would multiply in Triton kernels of its own; dit.py's XLA_FLAGS ask for
     # cuBLAS (an H100's program, as the H200 of the README's Speed section runs it)
     h100 = jax.sharding.SingleDeviceSharding(dit.target_devices("h100")[0][0])
-    x, w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=h100) for shape in [(512, 384),
-                                                                                    (384, 1536)])
+    x = jax.ShapeDtypeStruct((512, 384), jnp.bfloat16, sharding=h100)
+    w = jax.ShapeDtypeStruct((384, 1536), jnp.bfloat16, sharding=h100)
     program = jax.jit(lambda x, w: jax.nn.gelu(x @ w)).lower(x, w).compile().as_text()
     assert "__cublas" in program and "triton" not in program
 
