@@ -2662,7 +2662,7 @@ import sys, jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, {here!r})
 import dit
 from jax.sharding import NamedSharding, PartitionSpec as P
-cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=3,
+cfg = dit.DiTConfig(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=2,
                     num_heads=2, num_classes=3, learn_sigma=False, **dit.ARCHS["dit+"],
                     internal_block=1, sra_head=True)
 mesh, (tx, _) = dit.make_mesh(), dit.make_optimizer(1e-3)
@@ -3419,17 +3419,24 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
 # a folder per process, its working directory, where it runs the README's commands as they are
 # written, with toy sizes added. What differs: a DiT-S here is 32 wide and 2 deep; the processes
 # join by --coordinator (process 1 from SLURM's variables) as a pod slice's would by themselves;
-# the Inception has random weights (--inception); and the Frechet distance's square root of two
-# 2048-d covariances of 16 images, which takes minutes on a 2-core CPU, is replaced by the distance
-# of the means (test_fid_frechet_distance_* test the real one): these tests are of the hosts' paths
-# through the collectives. Each host places the weights that every device reads (the Inception's,
+# the Inception has random weights (--inception) and its network, whose 299x299 inputs took two
+# fifths of the first test's CPU, gives its three outputs of each image's mean pixel (its numbers
+# are the parity tests', the sharding of its batches test_fid_features_sharded_over_two_devices's);
+# and the Frechet distance's square root of two 2048-d covariances of 16 images, which takes
+# minutes on a 2-core CPU, is replaced by the distance of the means (test_fid_frechet_distance_*
+# test the real one): these tests are of the hosts' paths through the collectives. Each host places the weights that every device reads (the Inception's,
 # the model's) on its own devices: an array that JAX compares across the hosts, as device_put does
 # with a host's array, is at most a few numbers (keys, sizes).
 COURSE = """
 import fid
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 dit.DIT_SIZES["S"] = dict(hidden_size=32, depth=2, num_heads=2)
+def mean_pixel(inception, images, protocol):
+    pool = jnp.tile(images.mean(axis=(1, 2, 3))[:, None] / 255, (1, 2048))  # (B, 2048)
+    return pool, inception.fc(pool), pool[:, :fid.SPATIAL_DIM]
+fid.InceptionV3.__call__ = mean_pixel
 fid.frechet_distance = lambda mu1, sigma1, mu2, sigma2: float(((mu1 - mu2) ** 2).sum())
 compare = multihost_utils.assert_equal
 def compare_few(x, fail_message=""):
@@ -7163,7 +7170,10 @@ def bench_target(capsys, target, *options):
 
 TINY_RUN = ["--size", "XXS", "--patch", "4", "--image-size", "8"]
 
-@slow  # XLA's TPU compiler: 5 s to refuse the step, 45 s of CPU to accept its micro-batches
+# XLA's TPU compiler takes longer the larger a program's batch and the nearer it comes to a core's
+# memory: here 5 s to refuse the step and 37 s of CPU to accept its micro-batches (of 64x64 inputs,
+# 128 a core), where 32x32 inputs at 2,048 a core take 50 s.
+@slow
 def test_target_tpu_refusal_is_one_line_with_what_fits(capsys, monkeypatch):
     """A batch whose training step XLA's TPU compiler refuses (more than a v3 core's HBM): one line,
     with the micro-batches that the compiler then accepts; the other programs follow, named rather
@@ -7173,10 +7183,10 @@ def test_target_tpu_refusal_is_one_line_with_what_fits(capsys, monkeypatch):
     monkeypatch.setattr(dit, "bench_target_images", lambda *args: images.append(args))
     monkeypatch.setattr(dit, "compiled_line", lambda name, compile, limit: f"  {name}")
     _, train, sample = bench_target(capsys, "v3-8", "--size", "XXS", "--patch", "2",
-                                    "--batch-size", "32768")
+                                    "--image-size", "64", "--batch-size", "2048")
     assert len(images) == 1 and sample.startswith("  sample:  heun, 25 steps")
     assert re.fullmatch(r"  train:   the training step needs more than a device's 15.48 GiB "
-                        r"\(XLA's compiler refused it at 4096 samples a device at a time\); try "
+                        r"\(XLA's compiler refused it at 256 samples a device at a time\); try "
                         r"--grad-accum \d+ \(about [\d.]+ GiB\), --remat, a smaller --batch-size",
                         train), train
 
