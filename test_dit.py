@@ -3419,14 +3419,15 @@ def test_hosts_that_found_different_data_or_checkpoints_end_in_one_line(tmp_path
 # a folder per process, its working directory, where it runs the README's commands as they are
 # written, with toy sizes added. What differs: a DiT-S here is 32 wide and 2 deep; the processes
 # join by --coordinator (process 1 from SLURM's variables) as a pod slice's would by themselves;
-# the Inception has random weights (--inception) and its network, whose 299x299 inputs took two
-# fifths of the first test's CPU, gives its three outputs of each image's mean pixel (its numbers
-# are the parity tests', the sharding of its batches test_fid_features_sharded_over_two_devices's);
-# and the Frechet distance's square root of two 2048-d covariances of 16 images, which takes
-# minutes on a 2-core CPU, is replaced by the distance of the means (test_fid_frechet_distance_*
-# test the real one): these tests are of the hosts' paths through the collectives. Each host places the weights that every device reads (the Inception's,
-# the model's) on its own devices: an array that JAX compares across the hosts, as device_put does
-# with a host's array, is at most a few numbers (keys, sizes).
+# the Inception has random weights (--inception), and its network gives its three outputs from each
+# image's mean pixel (its 299x299 inputs took two fifths of the first test's CPU; the parity tests
+# check the network, test_fid_features_sharded_over_two_devices its batches over devices); and the
+# Frechet distance's square root of two 2048-d covariances of 16 images, which takes minutes on a
+# 2-core CPU, is replaced by the distance of the means (test_fid_frechet_distance_* test the real
+# one): these tests are of the hosts' paths through the collectives. Each host places the weights
+# that every device reads (the Inception's, the model's) on its own devices: an array that JAX
+# compares across the hosts, as device_put does with a host's array, is at most a few numbers (keys,
+# sizes).
 COURSE = """
 import fid
 import jax.numpy as jnp
