@@ -704,11 +704,20 @@ def load_reference(path):
 
 def _allgather(x):
     """Stack a numpy array from every process: (P, *x.shape). 64-bit values travel as pairs of
-    uint32, so they stay exact even though JAX (without x64) would narrow them to 32 bits."""
+    uint32, so they stay exact even though JAX (without x64) would narrow them to 32 bits. Each
+    process sends its array from one device of its own, to one device of each other process:
+    process_allgather of a host's array would place it on every device first and gather it to
+    every device (the covariances' 32 MB, 16 times over on a host of 8 devices)."""
     x = np.ascontiguousarray(x)
     if jax.process_count() == 1:
         return x[None]
-    gathered = multihost_utils.process_allgather(x.view(np.uint32) if x.dtype.itemsize == 8 else x)
+    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+              for p in range(jax.process_count())]
+    one_each = jax.sharding.NamedSharding(jax.sharding.Mesh(firsts, ("processes",)),
+                                          P("processes"))
+    local = (x.view(np.uint32) if x.dtype.itemsize == 8 else x)[None]  # (1, ...)
+    gathered = multihost_utils.process_allgather(
+        jax.make_array_from_process_local_data(one_each, local), tiled=True)
     return np.asarray(gathered).view(x.dtype)
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
