@@ -703,11 +703,10 @@ def load_reference(path):
 #################################################################################
 
 def _allgather(x):
-    """Stack a numpy array from every process: (P, *x.shape). 64-bit values travel as pairs of
-    uint32, so they stay exact even though JAX (without x64) would narrow them to 32 bits. Each
-    process sends its array from one device of its own, to one device of each other process:
-    process_allgather of a host's array would place it on every device first and gather it to
-    every device (the covariances' 32 MB, 16 times over on a host of 8 devices)."""
+    """Stack a numpy array from every process: (P, *x.shape), from one device of each process to
+    one of each (process_allgather of a host's array copies it to every device). 64-bit values
+    travel as pairs of uint32, so they stay exact even though JAX (without x64) would narrow them
+    to 32 bits."""
     x = np.ascontiguousarray(x)
     if jax.process_count() == 1:
         return x[None]
