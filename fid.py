@@ -710,8 +710,7 @@ def _allgather(x):
     x = np.ascontiguousarray(x)
     if jax.process_count() == 1:
         return x[None]
-    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-              for p in range(jax.process_count())]
+    firsts = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
     one_each = jax.sharding.NamedSharding(jax.sharding.Mesh(firsts, ("processes",)),
                                           P("processes"))
     local = (x.view(np.uint32) if x.dtype.itemsize == 8 else x)[None]  # (1, ...)
