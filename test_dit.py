@@ -3298,7 +3298,8 @@ def free_port():
 # the devices' kind, as JAX keys a backend that has no topology to hash, process 1 loads what
 # process 0 compiled, from the cache or, as process 0 compiles it, from process 0 itself
 # (jax_share_binary_between_hosts): the nine tests of such pairs, run alone, take 243 s of CPU
-# rather than 287 s. Where JAX names these otherwise, both processes compile.
+# rather than 287 s; process 1 waits for a program 2 minutes at most (JAX's default: 20). Where JAX
+# names these otherwise, both processes compile.
 SHARED_PROGRAMS = """
 import jax
 from jax._src import cache_key
