@@ -91,9 +91,9 @@ one_slurm = pytest.mark.xdist_group("slurm")
 
 # The tests and the commands that they run as processes would each compile their functions anew:
 # a compilation cache shared by the whole test run, its workers (pytest-xdist's) and the processes
-# they start, compiles each function once (a short training run: 21 s without it, 7 s with it); the
-# second process of a pair joined by jax.distributed as SHARED_PROGRAMS says. It lies in the run's
-# temporary folder, which pytest keeps for the last three runs.
+# they start, compiles each function once (a short training run: 21 s without it, 7 s with it), and
+# so, through SHARED_PROGRAMS, does the second process of a pair joined by jax.distributed. It lies
+# in the run's temporary folder, which pytest keeps for the last three runs.
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_of_the_run(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()  # under xdist, a folder per worker in the run's
